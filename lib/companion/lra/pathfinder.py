@@ -1,0 +1,328 @@
+"""Pathfinder: are two marked dots joined by one curvy path of paddles?
+
+Definition
+----------
+A Pathfinder image {cite}`linsley2018pathfinder` is a small grey canvas with several
+*snakes*, curvy chains of short line segments ("paddles") separated by small gaps, and
+two round *markers*. The label is 1 when both markers sit on the two ends of the same
+snake, 0 when they sit on ends of two different snakes. Distractor snakes, shorter and
+unmarked, clutter the canvas. The image is flattened row by row into a sequence of
+``size * size`` pixel intensities (LRA's Pathfinder-32: 1024 tokens, vocabulary 256),
+so a model must trace a path across hundreds of positions.
+
+This generator is a rewrite, not a port, of the original (``drewlinsley/pathfinder``,
+used by LRA with contour length 14, paddle length 2, margin 1, marker radius 1.5,
+distractor length 14 // 3, 20 // that many distractors). Every image holds two
+*long* snakes of ``contour_length`` paddles, A and B, in both classes (positive: markers
+on both ends of A; negative: one end of A and one end of B), so the number and length
+of snakes does not give the label away; then the distractors.
+
+Geometry: a snake starts at a uniform point with a uniform heading; each paddle is a
+segment of ``paddle_length`` pixels; the next paddle starts ``paddle_gap`` pixels further
+on, its heading turned by a uniform angle in ``[-max_turn, max_turn]``. Candidate
+headings that would leave the canvas (``padding`` pixels from the border) or come within
+one pixel of another snake's ink are redrawn; a snake that cannot grow is restarted,
+an image that cannot be completed is restarted.
+
+Rendering: a pixel's intensity is ``clip((thickness/2 + antialias - d) / antialias, 0,
+1)`` with ``d`` the distance from the pixel centre to the nearest paddle (or to the
+marker centre minus ``marker_radius``), quantised to 8 bits like an image file.
+
+Guarantee (what the tests check by a flood fill): the ink of one snake is 8-connected
+(the gap is bridged by the anti-aliased ends, which needs
+``paddle_gap < paddle_thickness + 2 * antialias``), and the inks of different snakes
+are never 8-adjacent. So the markers lie in one 8-connected component of the ink iff the
+label is 1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PathfinderSet:
+    """Images, labels and marker positions drawn by :func:`generate`.
+
+    Attributes
+    ----------
+    images : torch.Tensor
+        float32 ``[n, size, size]`` in [0, 1], multiples of 1/255.
+    labels : torch.Tensor
+        int64 ``[n]``, 1 = the markers are connected.
+    markers : torch.Tensor
+        int64 ``[n, 2, 2]``: (row, column) of the pixel under each marker centre.
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    markers: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+class _Canvas:
+    """Pixel-centre coordinates and ink rendering on one ``size x size`` canvas."""
+
+    def __init__(self, size: int, thickness: float, antialias: float):
+        self.size = size
+        self.half = thickness / 2.0
+        self.aa = antialias
+        self.reach = self.half + antialias  # ink footprint radius around a segment
+        self.centres = np.arange(size, dtype=np.float64) + 0.5
+
+    def _window(self, xs, ys, extra):
+        lo_c = max(math.floor(min(xs) - extra), 0)
+        hi_c = min(math.ceil(max(xs) + extra) + 1, self.size)
+        lo_r = max(math.floor(min(ys) - extra), 0)
+        hi_r = min(math.ceil(max(ys) + extra) + 1, self.size)
+        return lo_r, hi_r, lo_c, hi_c
+
+    def segment(self, p, q):
+        """(row slice, col slice, intensity patch) of the segment p -> q (x, y) points."""
+        r0, r1, c0, c1 = self._window((p[0], q[0]), (p[1], q[1]), self.reach + 1)
+        ex = self.centres[c0:c1][None, :] - p[0]  # pixel centre minus p, broadcast
+        ey = self.centres[r0:r1][:, None] - p[1]
+        dx, dy = q[0] - p[0], q[1] - p[1]
+        denom = dx * dx + dy * dy
+        t = (ex * dx + ey * dy) / denom if denom > 0 else 0.0 * (ex + ey)
+        t = np.minimum(np.maximum(t, 0.0), 1.0)
+        dist = np.sqrt((ex - t * dx) ** 2 + (ey - t * dy) ** 2)
+        val = np.minimum(np.maximum((self.reach - dist) / self.aa, 0.0), 1.0)
+        return slice(r0, r1), slice(c0, c1), val
+
+    def disc(self, c, radius):
+        r0, r1, c0, c1 = self._window((c[0],), (c[1],), radius + self.aa + 1)
+        dist = np.hypot(self.centres[c0:c1][None, :] - c[0],
+                        self.centres[r0:r1][:, None] - c[1])
+        val = np.clip((radius + self.aa - dist) / self.aa, 0.0, 1.0)
+        return slice(r0, r1), slice(c0, c1), val
+
+
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    """8-neighbourhood dilation (3 x 3) of a boolean image."""
+    out = mask.copy()
+    out[1:, :] |= mask[:-1, :]
+    out[:-1, :] |= mask[1:, :]
+    tmp = out.copy()
+    out[:, 1:] |= tmp[:, :-1]
+    out[:, :-1] |= tmp[:, 1:]
+    return out
+
+
+def _grow_snake(rng, canvas, blocked, n_paddles, paddle_length, gap, max_turn, padding,
+                marker_radius, marked_ends, tries_per_paddle=12):
+    """Try to draw one snake avoiding ``blocked``; return (ink, ends) or None."""
+    size = canvas.size
+    lo, hi = padding + marker_radius, size - padding - marker_radius
+    if hi <= lo:
+        return None
+    start = np.array([rng.uniform(lo, hi), rng.uniform(lo, hi)])
+    heading = rng.uniform(0, 2 * math.pi)
+    ink = np.zeros((size, size))
+    pos = start
+    end = start
+    for k in range(n_paddles):
+        placed = False
+        for attempt in range(tries_per_paddle):
+            h = heading + (rng.uniform(-max_turn, max_turn) if (k or attempt) else 0.0)
+            if attempt >= tries_per_paddle // 2:  # stuck: allow a sharper turn
+                h = heading + rng.uniform(-2 * max_turn, 2 * max_turn)
+            u = np.array([math.cos(h), math.sin(h)])
+            p = pos if k == 0 else pos + gap * u
+            q = p + paddle_length * u
+            if not (padding <= min(p.min(), q.min()) and max(p.max(), q.max()) <= size - padding):
+                continue
+            if blocked[int(q[1]), int(q[0])]:  # cheap early rejection
+                continue
+            rs, cs, val = canvas.segment(p, q)
+            if (blocked[rs, cs] & (val > 0)).any():
+                continue
+            ink[rs, cs] = np.maximum(ink[rs, cs], val)
+            heading, pos, end = h, q, q
+            placed = True
+            break
+        if not placed:
+            return None
+    ends = (start, end)
+    for which in marked_ends:
+        c = ends[which]
+        rs, cs, val = canvas.disc(c, marker_radius)
+        if (blocked[rs, cs] & (val > 0)).any():
+            return None
+        ink[rs, cs] = np.maximum(ink[rs, cs], val)
+    return ink, ends
+
+
+def _draw_image(rng, label, *, size, contour_length, distractor_length, num_distractors,
+                paddle_length, paddle_gap, max_turn, padding, marker_radius, canvas,
+                snake_tries=60):
+    """One image with the requested label, or None if the canvas got too crowded."""
+    image = np.zeros((size, size))
+    occupied = np.zeros((size, size), dtype=bool)
+    plan = [("A", contour_length, (0, 1) if label == 1 else (0,)),
+            ("B", contour_length, () if label == 1 else (0,))]
+    plan += [("d", distractor_length, ())] * num_distractors
+    markers = []
+    for name, length, marked in plan:
+        blocked = _dilate(occupied)
+        for _ in range(snake_tries):
+            drawn = _grow_snake(rng, canvas, blocked, length, paddle_length, paddle_gap,
+                                max_turn, padding, marker_radius, marked)
+            if drawn is not None:
+                break
+        else:
+            return None
+        ink, ends = drawn
+        image = np.maximum(image, ink)
+        occupied |= ink > 0
+        markers += [ends[w] for w in marked]
+    marker_px = [(min(int(c[1]), size - 1), min(int(c[0]), size - 1)) for c in markers]
+    return image, marker_px
+
+
+def generate(
+    n: int,
+    *,
+    seed: int,
+    size: int = 32,
+    contour_length: int = 14,
+    distractor_length: int | None = None,
+    num_distractors: int | None = None,
+    paddle_length: float = 2.0,
+    paddle_gap: float = 1.0,
+    paddle_thickness: float = 0.5,
+    antialias: float = 1.0,
+    marker_radius: float = 1.5,
+    max_turn: float = math.pi / 4,
+    padding: float = 1.0,
+    max_attempts: int = 200,
+    device: str | torch.device | None = None,
+) -> PathfinderSet:
+    """Draw ``n`` Pathfinder images, half of them positive, in a seeded order.
+
+    Parameters
+    ----------
+    n : int
+        Number of images; ``n // 2`` positives (plus one when n is odd, by the seed).
+    seed : int
+        Seed of the private numpy generator; the same arguments give the same set.
+    size : int
+        Canvas side in pixels (LRA Pathfinder-32: 32; sequence length ``size**2``).
+    contour_length : int
+        Paddles in each of the two long snakes (LRA: 14; shorter is easier).
+    distractor_length, num_distractors : int or None
+        Paddles per distractor (default ``max(contour_length // 3, 1)``) and their number
+        (default ``20 // distractor_length``), as in LRA's configuration.
+    paddle_length, paddle_gap, paddle_thickness, antialias, marker_radius : float
+        Geometry in pixels; see the module docstring.
+    max_turn : float
+        Largest heading change between consecutive paddles, radians.
+    padding : float
+        Paddles keep this far from the border.
+    max_attempts : int
+        Restarts allowed per image before giving up (ValueError).
+    device : torch device or None
+        Where the returned tensors live (CPU if None).
+
+    Returns
+    -------
+    PathfinderSet
+
+    Raises
+    ------
+    ValueError
+        On bad parameters, or when images cannot be completed (too many snakes for the
+        canvas: lower the contour length or the number of distractors).
+
+    Complexity
+    ----------
+    O(n * P * w^2) for P paddles per image and w the paddle window side, with a
+    constant factor for rejected headings; a few ms per 32 x 32 image in numpy.
+    """
+    for name, val in (("n", n), ("seed", seed), ("size", size),
+                      ("contour_length", contour_length)):
+        if not isinstance(val, int) or isinstance(val, bool):
+            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
+    if n < 1:
+        raise ValueError(f"n: expected a positive int, got {n}")
+    if size < 8:
+        raise ValueError(f"size: expected >= 8 pixels, got {size}")
+    if contour_length < 1:
+        raise ValueError(f"contour_length: expected >= 1 paddle, got {contour_length}")
+    if distractor_length is None:
+        distractor_length = max(contour_length // 3, 1)
+    if num_distractors is None:
+        num_distractors = 20 // distractor_length
+    if distractor_length < 1 or num_distractors < 0:
+        raise ValueError(
+            f"distractor_length, num_distractors: expected >= 1 and >= 0, got "
+            f"{distractor_length}, {num_distractors}")
+    for name, val in (("paddle_length", paddle_length), ("paddle_thickness", paddle_thickness),
+                      ("antialias", antialias), ("marker_radius", marker_radius)):
+        if not (isinstance(val, (int, float)) and val > 0 and math.isfinite(val)):
+            raise ValueError(f"{name}: expected a positive finite number, got {val!r}")
+    if not (0 <= paddle_gap < paddle_thickness + 2 * antialias):
+        raise ValueError(
+            f"paddle_gap: expected 0 <= gap < paddle_thickness + 2 * antialias "
+            f"(= {paddle_thickness + 2 * antialias}) so a snake stays connected, "
+            f"got {paddle_gap}")
+    if not (0 < max_turn <= math.pi):
+        raise ValueError(f"max_turn: expected an angle in (0, pi], got {max_turn}")
+    if padding < 0:
+        raise ValueError(f"padding: expected >= 0, got {padding}")
+
+    rng = np.random.default_rng(seed)
+    labels = np.zeros(n, dtype=np.int64)
+    labels[: (n + 1) // 2 if rng.random() < 0.5 else n // 2] = 1
+    rng.shuffle(labels)
+    canvas = _Canvas(size, paddle_thickness, antialias)
+    images = np.zeros((n, size, size), dtype=np.float32)
+    markers = np.zeros((n, 2, 2), dtype=np.int64)
+    for i in range(n):
+        for _ in range(max_attempts):
+            drawn = _draw_image(
+                rng, int(labels[i]), size=size, contour_length=contour_length,
+                distractor_length=distractor_length, num_distractors=num_distractors,
+                paddle_length=paddle_length, paddle_gap=paddle_gap, max_turn=max_turn,
+                padding=padding, marker_radius=marker_radius, canvas=canvas)
+            if drawn is not None:
+                break
+        else:
+            raise ValueError(
+                f"generate: could not fit 2 snakes of {contour_length} paddles and "
+                f"{num_distractors} distractors on a {size}x{size} canvas; lower "
+                f"contour_length or num_distractors")
+        image, marker_px = drawn
+        images[i] = np.round(image * 255.0) / 255.0
+        markers[i] = np.asarray(marker_px)
+    out = PathfinderSet(torch.from_numpy(images), torch.from_numpy(labels),
+                        torch.from_numpy(markers))
+    if device is not None:
+        out = PathfinderSet(out.images.to(device), out.labels.to(device),
+                            out.markers.to(device))
+    return out
+
+
+def to_sequences(images: torch.Tensor) -> torch.Tensor:
+    """Flatten ``[n, H, W]`` images in [0, 1] row by row into int64 tokens 0..255.
+
+    This is LRA's image input: each pixel's 8-bit intensity is a token (vocabulary 256).
+    """
+    if not isinstance(images, torch.Tensor) or images.dim() != 3:
+        raise ValueError(
+            f"images: expected a [n, H, W] tensor, got "
+            f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images)}")
+    if images.is_floating_point():
+        if images.min() < 0 or images.max() > 1:
+            raise ValueError("images: expected float intensities in [0, 1]")
+        tokens = torch.round(images * 255.0).long()
+    else:
+        tokens = images.long()
+        if tokens.min() < 0 or tokens.max() > 255:
+            raise ValueError("images: expected integer intensities in 0..255")
+    return tokens.reshape(images.shape[0], -1)
