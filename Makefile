@@ -1,0 +1,66 @@
+# Attention, Reproduced. Every target sets itself up: `make book`, `make test`, `make bench`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+SCALE ?= ci
+DEVICE ?= auto
+JOBS ?= 2
+MATHJAX_VERSION := 3.2.2
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup book test bench check-html pages clean distclean
+
+setup: $(STAMP) book/_static/mathjax/tex-chtml.js
+	@$(MAKE) --no-print-directory browser
+	@$(PY) -m companion.corpora install
+	@echo "setup: ready ($(PY))"
+
+# The CPU wheel of torch 2.13.0 is installed first: plain `torch` would pull a CUDA
+# build of several GB. GPU users install a CUDA build of torch 2.13.0 into .venv first
+# (see README); pip then keeps it.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[all]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+	@touch $@
+
+# MathJax served from a local copy: the book renders maths with no network.
+book/_static/mathjax/tex-chtml.js:
+	@mkdir -p .cache/npm book/_static
+	npm install --prefix .cache/npm --no-audit --no-fund --silent mathjax@$(MATHJAX_VERSION)
+	rm -rf book/_static/mathjax && cp -r .cache/npm/node_modules/mathjax/es5 book/_static/mathjax
+
+# Headless Chromium for the browser check of the built book (Debian packages).
+.PHONY: browser
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "setup: installing chromium and chromium-driver"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "setup: chromium/chromedriver missing and not root: the browser check will be skipped"; fi
+
+book: setup
+	$(PY) -m companion build --scale $(SCALE) --device $(DEVICE) --jobs $(JOBS)
+	@$(MAKE) --no-print-directory check-html
+
+check-html: setup
+	$(PY) -m companion check-html
+
+pages: setup
+	$(PY) -m companion pages
+
+test: setup
+	$(PY) -m pytest -n 2 --dist loadfile -q
+
+bench: setup
+	@mkdir -p benchmarks/results
+	@set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f $(BENCH_ARGS); done
+	$(PY) benchmarks/summary.py
+
+clean:
+	rm -rf book/_build book/_generated benchmarks/results
+
+distclean: clean
+	rm -rf $(VENV) .cache book/_static/mathjax

@@ -1,0 +1,523 @@
+"""Figures, tables and claims saved with their provenance.
+
+Every figure a chapter shows goes through :func:`save_figure`, every table through
+:func:`save_table`, every checked statement through :func:`claim`. Each writes its files
+atomically (temporary file + rename) next to a JSON sidecar that says exactly what
+produced it: chapter, parameters, scale, seed, device, git commit (and whether the tree
+was dirty), package versions, time, and the sha256 of every file written.
+
+A chapter starts with :func:`begin_chapter`, which validates the parameters, seeds the
+random generators and sets where outputs go. When the runner executes a chapter it tells
+the chapter (through environment variables) where to write; run by hand, outputs go to
+``book/_generated/assets/<chapter>/`` of the repository.
+
+Ids are stable kebab-case strings prefixed by the chapter's prefix (the chapter's file
+stem with ``_`` replaced by ``-``), e.g. ``hasse-butterfly-mask``.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCALES = ("smoke", "ci", "paper")
+VERDICTS = ("reproduced", "differs", "not comparable")
+CLAIM_KINDS = ("holds", "abs", "rel", "range", "at_most", "at_least")
+_ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+# Environment variables through which the runner talks to an executing chapter.
+ENV_OUTPUT_DIR = "COMPANION_OUTPUT_DIR"
+ENV_ASSET_URL = "COMPANION_ASSET_URL"
+ENV_CHAPTER = "COMPANION_CHAPTER"
+ENV_THREADS = "COMPANION_TORCH_THREADS"
+ENV_COMMIT = "COMPANION_GIT_COMMIT"
+ENV_DIRTY = "COMPANION_GIT_DIRTY"
+
+# Fixed metadata so that the same figure gives the same bytes (no dates, fixed hash salt).
+_SAVE_METADATA = {
+    "png": {"Software": None},
+    "svg": {"Date": None, "Creator": None},
+    "pdf": {"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None},
+}
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The repository root: the nearest folder above ``start`` holding ``_config.yml``."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "_config.yml").exists() and (folder / "lib" / "companion").exists():
+            return folder
+    # Fall back on the package location (editable install: lib/companion/provenance.py).
+    return Path(__file__).resolve().parents[2]
+
+
+def git_state(root: Path | None = None) -> tuple[str, bool]:
+    """Return (commit, dirty) of the repository at ``root``; ("unknown", False) outside git.
+
+    The runner computes this once and passes it through the environment, so chapters
+    report the commit of the run that executed them.
+    """
+    if os.environ.get(ENV_COMMIT):
+        return os.environ[ENV_COMMIT], os.environ.get(ENV_DIRTY, "0") == "1"
+    root = root or repo_root()
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root, capture_output=True, text=True, check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+    return commit, bool(status.strip())
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages whose behaviour a figure depends on."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "numpy", "matplotlib", "companion"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder + rename.
+
+    A reader (or an interrupted run) never sees a half-written file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy / torch scalars and tuples appear in parameters and measurements.
+    if hasattr(obj, "item") and callable(obj.item):
+        try:
+            return obj.item()
+        except (ValueError, RuntimeError):
+            pass
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
+
+
+@dataclass
+class Chapter:
+    """The running chapter: its name, validated parameters and where outputs go."""
+
+    name: str
+    params: dict[str, Any]
+    output_dir: Path
+    asset_url: str
+    device: Any = None
+    started: str = field(default_factory=lambda: _now())
+
+    @property
+    def scale(self) -> str:
+        return self.params["scale"]
+
+    @property
+    def seed(self) -> int:
+        return self.params["seed"]
+
+    @property
+    def prefix(self) -> str:
+        return self.name.replace("_", "-")
+
+    def generator(self, offset: int = 0, device: Any = None):
+        """A torch.Generator seeded with ``seed + offset`` (on ``device``, default CPU)."""
+        import torch
+
+        g = torch.Generator(device=device or "cpu")
+        g.manual_seed(int(self.seed) + int(offset))
+        return g
+
+
+_ACTIVE: Chapter | None = None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def begin_chapter(name: str, **params: Any) -> Chapter:
+    """Start a chapter: validate its parameters, seed generators, set the output folder.
+
+    Parameters
+    ----------
+    name : the chapter's file stem (``"hasse"``, ``"gradient_flow"``, ...).
+    **params : every parameter of the chapter's ``parameters`` cell. ``scale`` (one of
+        "smoke", "ci", "paper"), ``seed`` (int) and ``device`` ("auto", "cpu", "cuda")
+        are required.
+
+    Returns
+    -------
+    Chapter, also remembered as the active chapter used by save_figure/save_table/claim.
+
+    Raises
+    ------
+    ValueError for a missing or unknown scale, a non-integer seed or an unknown device.
+    """
+    global _ACTIVE
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
+        raise ValueError(f"name: expected a chapter file stem like 'hasse', got {name!r}")
+    for required in ("scale", "seed", "device"):
+        if required not in params:
+            raise ValueError(f"begin_chapter: parameter {required!r} is required")
+    if params["scale"] not in SCALES:
+        raise ValueError(f"scale: expected one of {SCALES}, got {params['scale']!r}")
+    if isinstance(params["seed"], bool) or not isinstance(params["seed"], int):
+        raise ValueError(f"seed: expected an int, got {params['seed']!r}")
+    from companion.devices import resolve_device
+
+    device = resolve_device(params["device"])
+
+    env_chapter = os.environ.get(ENV_CHAPTER)
+    if env_chapter and env_chapter != name:
+        raise ValueError(
+            f"name: the runner executes chapter {env_chapter!r} but the notebook calls "
+            f"begin_chapter({name!r})"
+        )
+    if os.environ.get(ENV_OUTPUT_DIR):
+        output_dir = Path(os.environ[ENV_OUTPUT_DIR])
+        asset_url = os.environ.get(ENV_ASSET_URL, str(output_dir))
+    else:
+        output_dir = repo_root() / "book" / "_generated" / "assets" / name
+        asset_url = str(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    random.seed(params["seed"])
+    try:
+        import numpy as np
+
+        np.random.seed(params["seed"] % (2**32))
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    import torch
+
+    torch.manual_seed(params["seed"])
+    if os.environ.get(ENV_THREADS):
+        torch.set_num_threads(max(1, int(os.environ[ENV_THREADS])))
+    import matplotlib
+
+    matplotlib.rcParams["svg.hashsalt"] = "attention-reproduced"
+    matplotlib.rcParams["savefig.dpi"] = 150
+    matplotlib.rcParams["figure.dpi"] = 110
+
+    _ACTIVE = Chapter(name=name, params=dict(params), output_dir=output_dir,
+                      asset_url=asset_url, device=device)
+    return _ACTIVE
+
+
+def active_chapter() -> Chapter:
+    if _ACTIVE is None:
+        raise RuntimeError(
+            "no active chapter: call companion.provenance.begin_chapter(name, scale=..., "
+            "seed=..., device=...) first"
+        )
+    return _ACTIVE
+
+
+def _check_id(kind: str, item_id: str, chapter: Chapter) -> None:
+    if not isinstance(item_id, str) or not _ID_RE.match(item_id):
+        raise ValueError(f"{kind}: expected a kebab-case id like 'hasse-causal-mask', got {item_id!r}")
+    if not item_id.startswith(chapter.prefix + "-"):
+        raise ValueError(
+            f"{kind}: id {item_id!r} must start with the chapter prefix {chapter.prefix + '-'!r}"
+        )
+
+
+def _provenance(chapter: Chapter) -> dict[str, Any]:
+    commit, dirty = git_state()
+    return {
+        "chapter": chapter.name,
+        "parameters": chapter.params,
+        "scale": chapter.scale,
+        "seed": chapter.seed,
+        "device": str(chapter.device),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "versions": package_versions(),
+        "created": _now(),
+    }
+
+
+def _display_markdown(markdown: str, extra: dict[str, Any] | None = None) -> None:
+    """Show MyST markdown on the chapter page (MyST-NB parses it as MyST)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # pragma: no cover - IPython comes with ipykernel
+        return
+    if get_ipython() is None:
+        return
+    bundle = {"text/markdown": markdown, "text/plain": markdown}
+    bundle.update(extra or {})
+    display(bundle, raw=True)
+
+
+def render_figure_bytes(fig, fmt: str) -> bytes:
+    """The bytes of ``fig`` saved as ``fmt`` with fixed metadata (deterministic output)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, metadata=_SAVE_METADATA[fmt], bbox_inches="tight")
+    return buf.getvalue()
+
+
+def save_figure(fig, figure_id: str, caption: str) -> dict[str, Any]:
+    """Save ``fig`` as PNG, SVG and PDF with a JSON provenance sidecar, show it, close it.
+
+    The figure appears on the chapter page as a numbered figure labelled ``figure_id``
+    (reference it with ``{numref}`` in the prose). Files are written to
+    ``<output>/figures/<figure_id>.{png,svg,pdf,json}``; the same inputs give the same
+    bytes (no dates in the metadata, fixed SVG hash salt).
+
+    Returns the sidecar as a dict.
+    """
+    chapter = active_chapter()
+    _check_id("figure_id", figure_id, chapter)
+    if not isinstance(caption, str) or not caption.strip():
+        raise ValueError("caption: expected a non-empty string saying what to see")
+    import matplotlib.pyplot as plt
+
+    folder = chapter.output_dir / "figures"
+    files = {}
+    try:
+        for fmt in ("png", "svg", "pdf"):
+            data = render_figure_bytes(fig, fmt)
+            path = folder / f"{figure_id}.{fmt}"
+            atomic_write_bytes(path, data)
+            files[fmt] = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest()}
+    finally:
+        plt.close(fig)
+    sidecar = {"id": figure_id, "type": "figure", "caption": caption.strip(),
+               "files": files, **_provenance(chapter)}
+    atomic_write_text(folder / f"{figure_id}.json", dumps(sidecar))
+
+    png = (folder / f"{figure_id}.png").read_bytes()
+    import base64
+
+    url = f"{chapter.asset_url}/figures/{figure_id}.png"
+    markdown = (
+        f"```{{figure}} {url}\n:name: {figure_id}\n:alt: {_one_line(caption)}\n\n"
+        f"{caption.strip()}\n```\n"
+    )
+    _display_markdown(markdown, {"image/png": base64.b64encode(png).decode("ascii")})
+    return sidecar
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _format_cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        return f"{value:.4g}"
+    text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(df) -> str:
+    """A pipe table of a DataFrame (index dropped), floats to 4 significant digits."""
+    header = "| " + " | ".join(_format_cell(c) for c in df.columns) + " |"
+    rule = "| " + " | ".join("---" for _ in df.columns) + " |"
+    rows = [
+        "| " + " | ".join(_format_cell(v) for v in row) + " |"
+        for row in df.itertuples(index=False, name=None)
+    ]
+    return "\n".join([header, rule, *rows]) + "\n"
+
+
+def save_table(table, table_id: str, caption: str) -> dict[str, Any]:
+    """Save a pandas DataFrame as CSV + Markdown with a JSON sidecar, and show it.
+
+    Returns the sidecar as a dict.
+    """
+    chapter = active_chapter()
+    _check_id("table_id", table_id, chapter)
+    if not isinstance(caption, str) or not caption.strip():
+        raise ValueError("caption: expected a non-empty string saying what the table shows")
+    import pandas as pd
+
+    if not isinstance(table, pd.DataFrame):
+        raise TypeError(f"table: expected a pandas DataFrame, got {type(table).__name__}")
+    folder = chapter.output_dir / "tables"
+    csv_bytes = table.to_csv(index=False).encode("utf-8")
+    md_text = markdown_table(table)
+    atomic_write_bytes(folder / f"{table_id}.csv", csv_bytes)
+    atomic_write_text(folder / f"{table_id}.md", md_text)
+    files = {
+        "csv": {"file": f"{table_id}.csv", "sha256": hashlib.sha256(csv_bytes).hexdigest()},
+        "md": {"file": f"{table_id}.md",
+               "sha256": hashlib.sha256(md_text.encode("utf-8")).hexdigest()},
+    }
+    sidecar = {"id": table_id, "type": "table", "caption": caption.strip(), "files": files,
+               "columns": [str(c) for c in table.columns], "rows": int(len(table)),
+               **_provenance(chapter)}
+    atomic_write_text(folder / f"{table_id}.json", dumps(sidecar))
+    markdown = f"```{{table}} {_one_line(caption)}\n:name: {table_id}\n\n{md_text}```\n"
+    _display_markdown(markdown, {"text/html": table.to_html(index=False)})
+    return sidecar
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def judge_claim(measured: Any, paper: Any, tolerance: Any, kind: str) -> str:
+    """The verdict of a claim: "reproduced", "differs" or "not comparable".
+
+    - paper == "not available" (or None): not comparable, we have no value to compare;
+    - kind "holds": ``measured`` is a bool saying whether the statement holds;
+    - kind "abs": |measured - paper| <= tolerance;  "rel": <= tolerance * |paper|;
+    - kind "range": paper = (lo, hi) and lo <= measured <= hi;
+    - kind "at_most": measured <= paper + tolerance; "at_least": measured >= paper - tolerance.
+    A measurement that is NaN or infinite differs.
+    """
+    if kind not in CLAIM_KINDS:
+        raise ValueError(f"kind: expected one of {CLAIM_KINDS}, got {kind!r}")
+    if paper is None or (isinstance(paper, str) and paper == "not available"):
+        return "not comparable"
+    if kind == "holds":
+        if not isinstance(measured, bool):
+            raise TypeError(f"measured: kind 'holds' expects a bool, got {type(measured).__name__}")
+        return "reproduced" if measured else "differs"
+    if isinstance(paper, str):
+        raise ValueError(f"paper: kind {kind!r} needs a number or (lo, hi), got {paper!r}")
+    if not _is_number(measured):
+        if isinstance(measured, float) or hasattr(measured, "item"):
+            return "differs"
+        raise TypeError(f"measured: kind {kind!r} expects a number, got {measured!r}")
+    m = float(measured)
+    if kind == "range":
+        if not (isinstance(paper, (tuple, list)) and len(paper) == 2):
+            raise ValueError(f"paper: kind 'range' expects (lo, hi), got {paper!r}")
+        lo, hi = float(paper[0]), float(paper[1])
+        return "reproduced" if lo <= m <= hi else "differs"
+    if not _is_number(paper):
+        raise ValueError(f"paper: kind {kind!r} expects a number, got {paper!r}")
+    p = float(paper)
+    tol = 0.0 if tolerance is None else float(tolerance)
+    if kind in ("abs", "rel") and tolerance is None:
+        raise ValueError(f"tolerance: kind {kind!r} needs a tolerance")
+    if tol < 0:
+        raise ValueError(f"tolerance: expected >= 0, got {tolerance!r}")
+    if kind == "abs":
+        ok = abs(m - p) <= tol
+    elif kind == "rel":
+        ok = abs(m - p) <= tol * abs(p)
+    elif kind == "at_most":
+        ok = m <= p + tol
+    else:  # at_least
+        ok = m >= p - tol
+    return "reproduced" if ok else "differs"
+
+
+_ADMONITION_CLASS = {"reproduced": "tip", "differs": "warning", "not comparable": "note"}
+
+
+def describe_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "holds" if value else "does not hold"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return f"[{describe_value(value[0])}, {describe_value(value[1])}]"
+    return str(value)
+
+
+def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = None,
+          reference: str, kind: str, statement: str) -> dict[str, Any]:
+    """Record a checked statement and show it on the chapter page.
+
+    Parameters
+    ----------
+    claim_id : kebab-case id prefixed by the chapter prefix.
+    measured : what we measured: a number, or a bool for kind "holds".
+    paper : what the paper says: a number, a (lo, hi) tuple, "qualitative" (with kind
+        "holds"), or "not available" / None (verdict "not comparable").
+    tolerance : for kinds "abs", "rel" (required), "at_most", "at_least" (optional slack).
+    reference : where the paper says it (section / figure / theorem), or "this chapter".
+    kind : "holds", "abs", "rel", "range", "at_most" or "at_least" (see judge_claim).
+    statement : one sentence saying what is checked.
+
+    Returns
+    -------
+    The claim record (dict) with its "verdict".
+    """
+    chapter = active_chapter()
+    _check_id("claim_id", claim_id, chapter)
+    if not isinstance(reference, str) or not reference.strip():
+        raise ValueError("reference: expected the section/figure of the paper, or 'this chapter'")
+    if not isinstance(statement, str) or not statement.strip():
+        raise ValueError("statement: expected one sentence saying what is checked")
+    if hasattr(measured, "item") and not isinstance(measured, (list, tuple)):
+        measured = measured.item()
+    if isinstance(paper, list):
+        paper = tuple(paper)
+    verdict = judge_claim(measured, paper, tolerance, kind)
+    record = {
+        "id": claim_id, "type": "claim", "statement": _one_line(statement),
+        "reference": reference, "kind": kind, "paper": paper, "measured": measured,
+        "tolerance": tolerance, "verdict": verdict, **_provenance(chapter),
+    }
+    atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
+    paper_text = describe_value(paper if paper is not None else "not available")
+    tol_text = "" if tolerance is None else f" · tolerance {describe_value(tolerance)}"
+    markdown = (
+        f"```{{admonition}} Claim {claim_id}: {verdict}\n:class: {_ADMONITION_CLASS[verdict]}\n"
+        f":name: {claim_id}\n\n{_one_line(statement)}\n\n"
+        f"Paper ({reference}): **{paper_text}** · measured: **{describe_value(measured)}**"
+        f"{tol_text} · check: `{kind}`\n```\n"
+    )
+    _display_markdown(markdown)
+    return record

@@ -1,0 +1,645 @@
+"""Execute chapters with papermill and build the book.
+
+A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running it:
+
+1. reads it with jupytext and parses its ``parameters`` cell (the first code cell) into
+   names and literal defaults; validates the requested parameters against them (an
+   unknown name, unknown scale or wrongly typed value is an error listing the valid ones);
+2. skips the run when a cached good run has the same key (chapter source, ``lib/``
+   sources, parameters and installed package versions), unless forced;
+3. executes it with papermill into a private staging folder, the chapter writing its
+   figures, tables and claims there (see :mod:`companion.provenance`);
+4. on success swaps the staging outputs into ``book/_generated/`` and adds a box with
+   the parameters, scale, device, commit, run time and the command to re-execute;
+5. on failure keeps the previous good outputs, marks them stale (banner on the page and
+   in the figure index), names the chapter, cell and exception, and exits non-zero.
+   Ctrl-C removes the staging folder and leaves every published file whole.
+
+Layout under ``book/_generated/``::
+
+    chapters/<name>.ipynb       executed notebook shown in the book
+    assets/<name>/figures/...   PNG/SVG/PDF + JSON sidecars
+    assets/<name>/tables/...    CSV/MD + JSON sidecars
+    assets/<name>/claims/...    one JSON per claim
+    runs/<name>.json            last run: status, cache key, parameters, commit, timings
+    logs/<name>.log             the kernel's output of the last run
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from companion import provenance as prov
+
+REQUIRED_PARAMETERS = ("scale", "seed", "device")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+STALE_TAG = "companion-stale-banner"
+BOX_TAG = "companion-run-box"
+
+
+class ChapterError(Exception):
+    """A chapter could not be run: bad parameters, missing chapter, failed cell."""
+
+
+# --------------------------------------------------------------------------- project
+@dataclass
+class Project:
+    """Paths of a book project: ``_toc.yml``, ``chapters/``, ``book/_generated/``."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).resolve()
+
+    @property
+    def chapters_dir(self) -> Path:
+        return self.root / "chapters"
+
+    @property
+    def generated(self) -> Path:
+        return self.root / "book" / "_generated"
+
+    @property
+    def lib_dir(self) -> Path:
+        return self.root / "lib"
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "book" / "_build"
+
+    def source(self, name: str) -> Path:
+        return self.chapters_dir / f"{name}.md"
+
+    def notebook(self, name: str) -> Path:
+        return self.generated / "chapters" / f"{name}.ipynb"
+
+    def assets(self, name: str) -> Path:
+        return self.generated / "assets" / name
+
+    def run_record(self, name: str) -> Path:
+        return self.generated / "runs" / f"{name}.json"
+
+    def log(self, name: str) -> Path:
+        return self.generated / "logs" / f"{name}.log"
+
+    def toc_chapters(self) -> list[str]:
+        """Chapter names in table-of-contents order (entries under _generated/chapters/)."""
+        import yaml
+
+        toc = yaml.safe_load((self.root / "_toc.yml").read_text())
+        names: list[str] = []
+
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                f = node.get("file")
+                if isinstance(f, str) and f.startswith("book/_generated/chapters/"):
+                    names.append(Path(f).name)
+                for value in node.values():
+                    walk(value)
+            elif isinstance(node, list):
+                for item in node:
+                    walk(item)
+
+        walk(toc)
+        return names
+
+    def chapter_names(self) -> list[str]:
+        on_disk = sorted(p.stem for p in self.chapters_dir.glob("*.md"))
+        ordered = [n for n in self.toc_chapters() if n in on_disk]
+        return ordered + [n for n in on_disk if n not in ordered]
+
+
+# --------------------------------------------------------------------------- parameters
+def read_notebook(path: Path):
+    import jupytext
+
+    return jupytext.read(path)
+
+
+def parameters_cell_index(nb) -> int:
+    """Index of the ``parameters`` cell, which must be the first code cell."""
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if not code:
+        raise ChapterError("the notebook has no code cell; the first must be tagged 'parameters'")
+    first = nb.cells[code[0]]
+    if "parameters" not in first.get("metadata", {}).get("tags", []):
+        raise ChapterError("the first code cell must be tagged 'parameters'")
+    return code[0]
+
+
+def parse_parameters(source: str) -> dict[str, Any]:
+    """The ``name = literal`` assignments of a parameters cell, in order.
+
+    Only plain assignments of literals are allowed, so defaults are known without running
+    anything, and every parameter has a type to check overrides against.
+    """
+    tree = ast.parse(source)
+    params: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
+            node.targets[0], ast.Name
+        ):
+            try:
+                params[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError as exc:
+                raise ChapterError(
+                    f"parameter {node.targets[0].id!r}: the default must be a literal"
+                ) from exc
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring-like comment
+        else:
+            raise ChapterError(
+                f"parameters cell, line {node.lineno}: only 'name = literal' assignments "
+                "are allowed"
+            )
+    missing = [p for p in REQUIRED_PARAMETERS if p not in params]
+    if missing:
+        raise ChapterError(f"parameters cell lacks required parameter(s) {missing}")
+    return params
+
+
+def _describe_params(defaults: dict[str, Any]) -> str:
+    return ", ".join(f"{k} ({type(v).__name__}, default {v!r})" for k, v in defaults.items())
+
+
+def coerce_parameter(name: str, value: Any, default: Any) -> Any:
+    """Convert ``value`` (a CLI string or a Python value) to the type of ``default``."""
+    kind = type(default)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            low = text.lower()
+            if low in ("true", "1", "yes"):
+                return True
+            if low in ("false", "0", "no"):
+                return False
+            raise ChapterError(f"parameter {name!r}: expected a bool (true/false), got {value!r}")
+        if default is None:
+            try:
+                return ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                return text
+        try:
+            parsed = ast.literal_eval(text)
+        except (ValueError, SyntaxError) as exc:
+            raise ChapterError(
+                f"parameter {name!r}: expected a {kind.__name__}, got {value!r}"
+            ) from exc
+        value = parsed
+    if default is None or value is None:
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and not isinstance(value, bool):
+        raise ChapterError(f"parameter {name!r}: expected a bool, got {value!r}")
+    if kind is int and isinstance(value, bool):
+        raise ChapterError(f"parameter {name!r}: expected an int, got {value!r}")
+    if not isinstance(value, kind):
+        raise ChapterError(
+            f"parameter {name!r}: expected a {kind.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def resolve_parameters(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Defaults updated with overrides, each checked by name and type."""
+    resolved = dict(defaults)
+    for name, value in overrides.items():
+        if name not in defaults:
+            raise ChapterError(
+                f"unknown parameter {name!r}; valid parameters: {_describe_params(defaults)}"
+            )
+        resolved[name] = coerce_parameter(name, value, defaults[name])
+    if resolved["scale"] not in prov.SCALES:
+        raise ChapterError(f"scale: expected one of {prov.SCALES}, got {resolved['scale']!r}")
+    dev = str(resolved["device"])
+    if dev not in DEVICE_CHOICES and not dev.startswith("cuda:"):
+        raise ChapterError(f"device: expected one of {DEVICE_CHOICES}, got {dev!r}")
+    return resolved
+
+
+# --------------------------------------------------------------------------- cache key
+def installed_versions() -> list[str]:
+    from importlib import metadata
+
+    return sorted(
+        f"{(d.metadata['Name'] or '').lower()}=={d.version}" for d in metadata.distributions()
+    )
+
+
+def cache_key(project: Project, name: str, params: dict[str, Any]) -> str:
+    """Hash of everything a chapter's outputs depend on."""
+    h = hashlib.sha256()
+    h.update(project.source(name).read_bytes())
+    for path in sorted((project.lib_dir).rglob("*.py")):
+        h.update(str(path.relative_to(project.lib_dir)).encode())
+        h.update(path.read_bytes())
+    h.update(json.dumps(params, sort_keys=True, default=str).encode())
+    h.update("\n".join(installed_versions()).encode())
+    return h.hexdigest()
+
+
+def load_record(project: Project, name: str) -> dict[str, Any] | None:
+    path = project.run_record(name)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+# --------------------------------------------------------------------------- notebook edits
+def rerun_command(name: str, params: dict[str, Any], defaults: dict[str, Any]) -> str:
+    parts = ["python", "-m", "companion", "run", name,
+             "--scale", str(params["scale"]), "--device", str(params["device"])]
+    for key, value in params.items():
+        if key in ("scale", "device"):
+            continue
+        if key == "seed" or value != defaults.get(key):
+            parts += ["-p", key, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _insert_after_title(nb, cell) -> None:
+    """Put ``cell`` right after the page title (first '# ' heading), keeping it the title."""
+    import nbformat
+
+    for i, c in enumerate(nb.cells):
+        if c.cell_type != "markdown":
+            continue
+        lines = c.source.split("\n")
+        for j, line in enumerate(lines):
+            if line.startswith("# "):
+                head = "\n".join(lines[: j + 1])
+                tail = "\n".join(lines[j + 1:]).strip("\n")
+                c.source = head
+                new = [cell]
+                if tail:
+                    new.append(nbformat.v4.new_markdown_cell(tail))
+                nb.cells[i + 1:i + 1] = new
+                return
+    nb.cells.insert(0, cell)
+
+
+def _markdown_cell(source: str, tag: str):
+    import nbformat
+
+    cell = nbformat.v4.new_markdown_cell(source)
+    cell.metadata["tags"] = [tag]
+    return cell
+
+
+def run_box(record: dict[str, Any]) -> str:
+    params = ", ".join(f"`{k}={v!r}`" for k, v in record["parameters"].items())
+    dirty = " (uncommitted changes)" if record.get("git_dirty") else ""
+    return (
+        "```{admonition} How this page was made\n:class: note\n\n"
+        f"| | |\n|---|---|\n"
+        f"| Parameters | {params} |\n"
+        f"| Scale | `{record['parameters']['scale']}` |\n"
+        f"| Device | `{record['device']}` |\n"
+        f"| Commit | `{record['git_commit'][:12]}`{dirty} |\n"
+        f"| Executed | {record['finished']} in {record['seconds']:.1f} s |\n\n"
+        f"Re-execute with: `{record['command']}`\n```"
+    )
+
+
+def stale_banner(record: dict[str, Any], good: dict[str, Any] | None) -> str:
+    when = f" from {good['finished']} (commit `{good['git_commit'][:12]}`)" if good else ""
+    return (
+        "```{danger} Stale outputs\n"
+        f"The last run of this chapter ({record['finished']}, commit "
+        f"`{record['git_commit'][:12]}`) **failed**: {record['error']}.\n"
+        + (f"Everything below is the last good run{when}, not the current code."
+           if good else "No good run of this chapter exists: nothing below was computed.")
+        + "\n```"
+    )
+
+
+def _strip_tagged(nb, tag: str) -> None:
+    nb.cells = [c for c in nb.cells if tag not in c.get("metadata", {}).get("tags", [])]
+
+
+def _write_notebook(nb, path: Path) -> None:
+    import nbformat
+
+    prov.atomic_write_text(path, nbformat.writes(nb))
+
+
+# --------------------------------------------------------------------------- running
+@dataclass
+class RunResult:
+    name: str
+    status: str  # "ok" | "cached" | "failed"
+    seconds: float = 0.0
+    error: str | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def _papermill_error(exc: BaseException, nb_cells_before: int) -> str:
+    """'cell N (ExcName): message' from a papermill execution error."""
+    ename = getattr(exc, "ename", type(exc).__name__)
+    evalue = str(getattr(exc, "evalue", exc)).strip().splitlines()
+    msg = evalue[-1] if evalue else ""
+    idx = getattr(exc, "cell_index", None)
+    if idx is not None:
+        # papermill inserts one 'injected-parameters' cell after the parameters cell;
+        # report the cell number of the chapter as written (1-based).
+        cell_no = idx + 1 - (1 if idx > nb_cells_before else 0)
+        return f"cell {cell_no} raised {ename}: {msg}"
+    return f"{ename}: {msg}"
+
+
+def run_chapter(
+    project: Project,
+    name: str,
+    *,
+    scale: str | None = None,
+    device: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    force: bool = False,
+    threads: int | None = None,
+    echo: Callable[[str], None] = print,
+) -> RunResult:
+    """Execute one chapter into ``book/_generated/`` (see the module docstring)."""
+    src = project.source(name)
+    if not src.exists():
+        available = ", ".join(project.chapter_names()) or "none"
+        raise ChapterError(f"chapter {name!r}: no file {src}; available chapters: {available}")
+    nb = read_notebook(src)
+    try:
+        pidx = parameters_cell_index(nb)
+        defaults = parse_parameters(nb.cells[pidx].source)
+        requested = dict(overrides or {})
+        if scale is not None:
+            requested["scale"] = scale
+        if device is not None:
+            requested["device"] = device
+        params = resolve_parameters(defaults, requested)
+    except ChapterError as exc:
+        raise ChapterError(f"chapter {name!r}: {exc}") from None
+
+    key = cache_key(project, name, params)
+    previous = load_record(project, name)
+    if (not force and previous and previous.get("status") == "ok"
+            and previous.get("cache_key") == key and project.notebook(name).exists()):
+        echo(f"[cached] {name}: unchanged since {previous['finished']} (use --force to re-run)")
+        return RunResult(name, "cached", 0.0, record=previous)
+
+    commit, dirty = prov.git_state(project.root)
+    gen = project.generated
+    staging = gen / ".staging" / f"{name}-{uuid.uuid4().hex[:8]}"
+    staging_assets = staging / "assets"
+    staging_assets.mkdir(parents=True)
+    input_nb = staging / f"{name}.input.ipynb"
+    output_nb = staging / f"{name}.ipynb"
+    _write_notebook(nb, input_nb)
+    project.log(name).parent.mkdir(parents=True, exist_ok=True)
+
+    env_updates = {
+        prov.ENV_OUTPUT_DIR: str(staging_assets),
+        prov.ENV_ASSET_URL: f"../assets/{name}",
+        prov.ENV_CHAPTER: name,
+        prov.ENV_COMMIT: commit,
+        prov.ENV_DIRTY: "1" if dirty else "0",
+        "PYTHONHASHSEED": "0",
+        "MPLBACKEND": "Agg",
+    }
+    if threads:
+        env_updates.update({prov.ENV_THREADS: str(threads), "OMP_NUM_THREADS": str(threads),
+                            "MKL_NUM_THREADS": str(threads)})
+    saved_env = {k: os.environ.get(k) for k in env_updates}
+    os.environ.update(env_updates)
+    started = time.time()
+    echo(f"[start] {name} (scale={params['scale']}, device={params['device']})")
+    record: dict[str, Any] = {
+        "chapter": name, "parameters": params, "defaults": defaults, "cache_key": key,
+        "git_commit": commit, "git_dirty": dirty, "started": prov._now(),
+        "command": rerun_command(name, params, defaults),
+        "device": params["device"],
+    }
+    try:
+        import papermill as pm
+
+        with open(project.log(name), "w") as log:
+            try:
+                pm.execute_notebook(
+                    str(input_nb), str(output_nb), parameters=params, kernel_name="python3",
+                    log_output=False, progress_bar=False, stdout_file=log, stderr_file=log,
+                    cwd=str(project.root),
+                )
+            except pm.PapermillExecutionError as exc:
+                raise ChapterError(_papermill_error(exc, pidx)) from None
+        executed = read_notebook_ipynb(output_nb)
+        record["device"] = _detected_device(executed, params["device"])
+        record.update(status="ok", seconds=time.time() - started, finished=prov._now())
+        _strip_tagged(executed, STALE_TAG)
+        _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
+        _publish(project, name, executed, staging_assets)
+        prov.atomic_write_text(project.run_record(name), prov.dumps(record))
+        echo(f"[ok {record['seconds']:.1f}s] {name}")
+        return RunResult(name, "ok", record["seconds"], record=record)
+    except (ChapterError, Exception) as exc:  # noqa: BLE001 - any failure marks stale
+        failed_nb = output_nb if output_nb.exists() else None
+        if failed_nb:
+            shutil.copyfile(failed_nb, project.log(name).with_suffix(".failed.ipynb"))
+        error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
+        record.update(status="failed", error=error, seconds=time.time() - started,
+                      finished=prov._now())
+        good = previous if previous and previous.get("status") == "ok" else (
+            previous.get("last_good") if previous else None)
+        record["last_good"] = good
+        _mark_stale(project, name, nb, record, good)
+        prov.atomic_write_text(project.run_record(name), prov.dumps(record))
+        echo(f"[FAILED {record['seconds']:.1f}s] {name}: {error} (log: {project.log(name)})")
+        return RunResult(name, "failed", record["seconds"], error=error, record=record)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (gen / ".staging").rmdir()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def read_notebook_ipynb(path: Path):
+    import nbformat
+
+    return nbformat.read(str(path), as_version=4)
+
+
+def _detected_device(nb, requested: str) -> str:
+    """The device the chapter really used, as begin_chapter resolved it ("auto" -> cpu)."""
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover
+        return requested
+
+
+def _publish(project: Project, name: str, executed, staging_assets: Path) -> None:
+    """Swap fresh outputs in: assets folder by rename, then the notebook atomically."""
+    final = project.assets(name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    trash = final.with_name(f".{name}.old-{uuid.uuid4().hex[:8]}")
+    if final.exists():
+        os.replace(final, trash)
+    os.replace(staging_assets, final)
+    _write_notebook(executed, project.notebook(name))
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _mark_stale(project: Project, name: str, source_nb, record: dict, good: dict | None) -> None:
+    """Keep the last good notebook but put a stale banner on it (or a placeholder page)."""
+    path = project.notebook(name)
+    if path.exists():
+        nb = read_notebook_ipynb(path)
+    else:
+        import nbformat
+
+        nb = nbformat.v4.new_notebook()
+        title = next((line for c in source_nb.cells if c.cell_type == "markdown"
+                      for line in c.source.split("\n") if line.startswith("# ")), f"# {name}")
+        nb.cells = [nbformat.v4.new_markdown_cell(title)]
+        nb.metadata = copy.deepcopy(source_nb.metadata)
+    _strip_tagged(nb, STALE_TAG)
+    _insert_after_title(nb, _markdown_cell(stale_banner(record, good), STALE_TAG))
+    _write_notebook(nb, path)
+
+
+def write_placeholder(project: Project, name: str) -> None:
+    """A page for a chapter that has never been executed, saying so (never blank)."""
+    if project.notebook(name).exists():
+        return
+    nb = read_notebook(project.source(name))
+    record = {"finished": "never", "git_commit": "-" * 12,
+              "error": "this chapter has not been executed in this build"}
+    _mark_stale(project, name, nb, record, None)
+
+
+# --------------------------------------------------------------------------- build
+def run_many(project: Project, names: list[str], *, scale: str | None, device: str | None,
+             jobs: int, force: bool, echo: Callable[[str], None] = print) -> list[RunResult]:
+    """Execute chapters in parallel processes, torch threads divided between them."""
+    jobs = max(1, min(jobs, len(names) or 1))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    pending = list(names)
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    results: list[RunResult] = []
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                name = pending.pop(0)
+                cmd = [sys.executable, "-m", "companion", "run", name, "--root", str(project.root),
+                       "--threads", str(threads)]
+                if scale:
+                    cmd += ["--scale", scale]
+                if device:
+                    cmd += ["--device", device]
+                if force:
+                    cmd.append("--force")
+                running[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True),
+                                 time.time())
+            time.sleep(0.2)
+            for name, (proc, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                out = proc.stdout.read() if proc.stdout else ""
+                del running[name]
+                for line in out.splitlines():
+                    if line.startswith("[") and not line.startswith("[start]"):
+                        echo(line)
+                record = load_record(project, name) or {}
+                if proc.returncode == 0:
+                    status = "cached" if "[cached]" in out else "ok"
+                    results.append(RunResult(name, status, time.time() - t0, record=record))
+                else:
+                    if "[FAILED" not in out:
+                        echo(f"[FAILED] {name}:\n{out.strip()}")
+                    results.append(RunResult(name, "failed", time.time() - t0,
+                                             error=record.get("error", out.strip()[-500:]),
+                                             record=record))
+    except KeyboardInterrupt:
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        raise
+    return results
+
+
+def jupyter_book_executable() -> str:
+    candidate = Path(sys.executable).parent / "jupyter-book"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("jupyter-book")
+    if not found:
+        raise ChapterError("jupyter-book is not installed: run 'make setup'")
+    return found
+
+
+def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
+    """Generate the index pages and build the HTML book with warnings as errors."""
+    from companion import pages
+
+    mathjax = project.root / "book" / "_static" / "mathjax" / "tex-chtml.js"
+    if not mathjax.exists():
+        raise ChapterError(f"local MathJax missing ({mathjax}): run 'make setup'")
+    for name in project.toc_chapters():
+        if project.source(name).exists():
+            write_placeholder(project, name)
+    pages.write_generated_pages(project)
+    cmd = [jupyter_book_executable(), "build", str(project.root),
+           "--path-output", str(project.root / "book"), "--warningiserror", "--keep-going"]
+    echo("[book] " + " ".join(shlex.quote(c) for c in cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = project.generated / "logs" / "jupyter-book.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout + "\n" + proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+        raise ChapterError(f"jupyter-book build failed (log: {log}):\n{tail}")
+    html = project.build_dir / "html" / "index.html"
+    echo(f"[book] built: open {html}")
+    return html
+
+
+def build(project: Project, *, scale: str | None = None, device: str | None = None,
+          jobs: int = 1, chapters: list[str] | None = None, force: bool = False,
+          echo: Callable[[str], None] = print) -> int:
+    """Execute chapters, then build the book. Returns the exit code (non-zero on failure)."""
+    names = chapters or project.chapter_names()
+    unknown = [n for n in names if not project.source(n).exists()]
+    if unknown:
+        raise ChapterError(
+            f"unknown chapter(s) {unknown}; available: {', '.join(project.chapter_names())}"
+        )
+    t0 = time.time()
+    results = run_many(project, names, scale=scale, device=device, jobs=jobs, force=force,
+                       echo=echo)
+    failed = [r for r in results if r.status == "failed"]
+    build_html(project, echo=echo)
+    echo(f"[done {time.time() - t0:.1f}s] {len(results) - len(failed)} chapter(s) fresh, "
+         f"{len(failed)} failed" + (f": {', '.join(r.name for r in failed)}" if failed else ""))
+    return 1 if failed else 0
