@@ -1,0 +1,158 @@
+"""Provenance API: sidecars, determinism, atomic writes, claim verdicts, id checks."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from companion import provenance as prov  # noqa: E402
+
+
+@pytest.fixture
+def chapter(tmp_path, monkeypatch):
+    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path / "out"))
+    monkeypatch.setenv(prov.ENV_ASSET_URL, "../assets/demo")
+    monkeypatch.delenv(prov.ENV_CHAPTER, raising=False)
+    return prov.begin_chapter("demo", scale="smoke", seed=3, device="cpu", n=4)
+
+
+def _figure(seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot(rng.normal(size=10))
+    ax.set_xlabel("x")
+    ax.set_ylabel("y")
+    return fig
+
+
+def test_save_figure_writes_three_formats_and_sidecar(chapter):
+    side = prov.save_figure(_figure(), "demo-line", "A line.")
+    folder = chapter.output_dir / "figures"
+    for fmt in ("png", "svg", "pdf"):
+        path = folder / f"demo-line.{fmt}"
+        assert path.stat().st_size > 0
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == side["files"][fmt]["sha256"]
+    on_disk = json.loads((folder / "demo-line.json").read_text())
+    assert on_disk == json.loads(prov.dumps(side))
+    for key in ("id", "caption", "chapter", "parameters", "scale", "seed", "device",
+                "git_commit", "git_dirty", "versions", "created"):
+        assert key in on_disk, key
+    assert on_disk["parameters"] == {"scale": "smoke", "seed": 3, "device": "cpu", "n": 4}
+    assert set(on_disk["versions"]) == {"torch", "numpy", "matplotlib", "companion"}
+    assert not list(folder.glob(".*.tmp")), "temporary files left behind"
+
+
+def test_same_inputs_give_identical_figure_bytes(chapter, tmp_path, monkeypatch):
+    first = prov.save_figure(_figure(1), "demo-a", "First.")
+    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path / "again"))
+    prov.begin_chapter("demo", scale="smoke", seed=3, device="cpu", n=4)
+    second = prov.save_figure(_figure(1), "demo-a", "First.")
+    for fmt in ("png", "svg", "pdf"):
+        assert first["files"][fmt]["sha256"] == second["files"][fmt]["sha256"], fmt
+    third = prov.save_figure(_figure(2), "demo-b", "Other data.")
+    assert third["files"]["png"]["sha256"] != first["files"]["png"]["sha256"]
+
+
+def test_save_table_csv_markdown_sidecar(chapter):
+    df = pd.DataFrame({"n": [1, 2], "value": [0.5, 0.25]})
+    side = prov.save_table(df, "demo-table", "Two rows.")
+    folder = chapter.output_dir / "tables"
+    assert pd.read_csv(folder / "demo-table.csv").equals(df)
+    md = (folder / "demo-table.md").read_text()
+    assert md.splitlines()[0] == "| n | value |" and "| 2 | 0.25 |" in md
+    assert side["rows"] == 2 and side["columns"] == ["n", "value"]
+    with pytest.raises(TypeError, match="table"):
+        prov.save_table([[1]], "demo-bad", "Not a frame.")
+
+
+@pytest.mark.parametrize("bad", ["Demo-x", "demo_x", "other-x", "demo-", ""])
+def test_ids_must_be_kebab_case_with_chapter_prefix(chapter, bad):
+    with pytest.raises(ValueError, match="figure_id"):
+        prov.save_figure(_figure(), bad, "caption")
+
+
+def test_empty_caption_is_rejected(chapter):
+    with pytest.raises(ValueError, match="caption"):
+        prov.save_figure(_figure(), "demo-x", "  ")
+
+
+@pytest.mark.parametrize(
+    "measured, paper, tol, kind, verdict",
+    [
+        (True, "qualitative", None, "holds", "reproduced"),
+        (False, "qualitative", None, "holds", "differs"),
+        (0.33, 0.30, 0.05, "abs", "reproduced"),
+        (0.40, 0.30, 0.05, "abs", "differs"),
+        (105.0, 100.0, 0.1, "rel", "reproduced"),
+        (125.0, 100.0, 0.1, "rel", "differs"),
+        (-0.9, (-1.2, -0.8), None, "range", "reproduced"),
+        (-0.5, (-1.2, -0.8), None, "range", "differs"),
+        (4.0, 5.0, None, "at_most", "reproduced"),
+        (6.0, 5.0, None, "at_most", "differs"),
+        (60.0, 50.0, None, "at_least", "reproduced"),
+        (49.0, 50.0, 0.5, "at_least", "differs"),
+        (0.1, "not available", None, "abs", "not comparable"),
+        (float("nan"), 1.0, 0.1, "abs", "differs"),
+    ],
+)
+def test_judge_claim(measured, paper, tol, kind, verdict):
+    assert prov.judge_claim(measured, paper, tol, kind) == verdict
+
+
+def test_judge_claim_rejects_inconsistent_input():
+    with pytest.raises(ValueError, match="kind"):
+        prov.judge_claim(1.0, 1.0, 0.1, "roughly")
+    with pytest.raises(ValueError, match="tolerance"):
+        prov.judge_claim(1.0, 1.0, None, "abs")
+    with pytest.raises(TypeError, match="measured"):
+        prov.judge_claim(1.0, "qualitative", None, "holds")
+    with pytest.raises(ValueError, match="paper"):
+        prov.judge_claim(1.0, 5.0, None, "range")
+
+
+def test_claim_is_recorded(chapter):
+    rec = prov.claim("demo-mean", 0.31, paper=0.33, tolerance=0.05, kind="abs",
+                     reference="Sec. 2", statement="Mean near one third.")
+    saved = json.loads((chapter.output_dir / "claims" / "demo-mean.json").read_text())
+    assert saved["verdict"] == rec["verdict"] == "reproduced"
+    assert saved["reference"] == "Sec. 2" and saved["paper"] == 0.33
+    with pytest.raises(ValueError, match="reference"):
+        prov.claim("demo-x", True, paper="qualitative", kind="holds", reference="",
+                   statement="s")
+
+
+def test_begin_chapter_validates(tmp_path, monkeypatch):
+    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path))
+    with pytest.raises(ValueError, match="scale"):
+        prov.begin_chapter("demo", scale="huge", seed=0, device="cpu")
+    with pytest.raises(ValueError, match="seed"):
+        prov.begin_chapter("demo", scale="smoke", seed="0", device="cpu")
+    with pytest.raises(ValueError, match="device"):
+        prov.begin_chapter("demo", scale="smoke", seed=0, device="tpu")
+    with pytest.raises(ValueError, match="required"):
+        prov.begin_chapter("demo", scale="smoke", seed=0)
+    monkeypatch.setenv(prov.ENV_CHAPTER, "other")
+    with pytest.raises(ValueError, match="runner executes chapter 'other'"):
+        prov.begin_chapter("demo", scale="smoke", seed=0, device="cpu")
+
+
+def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "f.txt"
+    prov.atomic_write_text(target, "old")
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prov.os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        prov.atomic_write_text(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
