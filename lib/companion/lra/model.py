@@ -1,0 +1,269 @@
+"""The LRA encoder classifier with SBM or dense softmax attention, same everything else.
+
+Definition
+----------
+The SBM-Transformer's LRA configuration {cite}`cho2022sbm`: token embedding plus
+learned position embedding, ``num_layers`` pre-LN encoder blocks
+(``x + Dropout(Attention(LN(x)))`` then ``x + Dropout(FFN(LN(x)))`` with
+``FFN = Linear(dim, ffn) -> GELU -> Dropout -> Linear(ffn, dim)``), a final LayerNorm,
+mean pooling over the non-padding positions and a classifier
+``Linear(dim, ffn) -> ReLU -> Linear(ffn, classes)``. Defaults: 2 layers, 2 heads, head
+size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters.
+
+The attention of every block is either
+
+- ``"sbm"``: :class:`companion.sbm.SBMAttention` (memberships, fastRG edge list,
+  edge attention, straight-through estimator); padding is excluded by zeroing the
+  memberships of padding positions, so ``P_ij = 0`` there and no edge touches them;
+- ``"dense"``: softmax attention over all non-padding keys (torch SDPA).
+
+Density of a head on one input is ``edges / (n_valid * m_valid)`` (1 for dense). A
+forward returns the logits and one ``[B, H]`` density tensor per layer, differentiable
+for SBM (the input of :func:`companion.sbm.density_regularizer`).
+
+With ``dual=True`` (LRA Retrieval) two sequences go through the same encoder and the
+classifier reads ``[u, v, u * v, u - v]``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from companion.sbm import (
+    SBMAttention,
+    edge_attention,
+    fastrg_sample,
+    sbm_parameters,
+    straight_through_mask,
+)
+
+ATTENTIONS = ("sbm", "dense")
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self-attention with SBM or dense softmax heads.
+
+    Parameters
+    ----------
+    dim : model width; heads, head_dim : number and size of heads.
+    attention : "sbm" or "dense".
+    num_clusters : k for SBM heads. duplicates, self_loops : see ``fastrg_sample``.
+
+    After a forward with ``self.record = True`` the attribute ``last_edges`` holds the
+    sampled ``(group, query, key)`` edge list (SBM) for inspection.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int, *, attention: str = "sbm",
+                 num_clusters: int = 128, duplicates: str = "merge", self_loops: bool = False,
+                 chunk_size: int | None = None, device=None, dtype=None):
+        super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.heads, self.head_dim, self.attention = heads, head_dim, attention
+        self.qkv = nn.Linear(dim, 3 * heads * head_dim, **factory)
+        self.out = nn.Linear(heads * head_dim, dim, **factory)
+        self.sbm = (SBMAttention(head_dim, heads, num_clusters, duplicates=duplicates,
+                                 self_loops=self_loops, chunk_size=chunk_size, **factory)
+                    if attention == "sbm" else None)
+        self.record = False
+        self.last_edges = None
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None, *,
+                generator: torch.Generator | None = None):
+        """``x`` ``[B, n, dim]``, ``valid`` ``[B, n]`` bool (None: all valid).
+
+        Returns ``(y [B, n, dim], density [B, H])``.
+        """
+        b, n, _ = x.shape
+        q, k, v = (self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim)
+                   .permute(2, 0, 3, 1, 4).unbind(0))  # each [B, H, n, d]
+        if self.attention == "dense":
+            mask = None if valid is None else valid[:, None, None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            density = torch.ones(b, self.heads, dtype=x.dtype, device=x.device)
+        elif valid is None or bool(valid.all()):
+            y, density, edges = self.sbm(q, k, v, generator=generator, return_edges=True)
+            self.last_edges = edges if self.record else None
+        else:
+            y, density = self._sbm_masked(q, k, v, valid, generator)
+        y = y.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
+        return self.out(y), density
+
+    def _sbm_masked(self, q, k, v, valid, generator):
+        """SBMAttention's computation with padding positions given zero membership."""
+        sbm = self.sbm
+        q_mem, s, k_mem = sbm_parameters(q, k, sbm.cluster_embeddings, sbm.mlp)
+        keep = valid[:, None, :, None].to(q_mem.dtype)
+        q_mem, k_mem = q_mem * keep, k_mem * keep
+        edges = fastrg_sample(q_mem.detach(), s.detach(), k_mem.detach(), generator,
+                              duplicates=sbm.duplicates, self_loops=sbm.self_loops)
+        weight = straight_through_mask(q_mem, s, k_mem, edges, chunk_size=sbm.chunk_size)
+        y = edge_attention(q, k, v, edges, edge_weight=weight, chunk_size=sbm.chunk_size)
+        b, h = q.shape[:2]
+        per_group = torch.zeros(b * h, dtype=weight.dtype, device=weight.device)
+        per_group = per_group.index_add(0, edges[0], weight)
+        lengths = valid.sum(1).to(weight.dtype)  # [B]
+        density = per_group.reshape(b, h) / (lengths * lengths)[:, None]
+        self.last_edges = edges if self.record else None
+        return y, density
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LN block: attention and GELU FFN, each with dropout and a residual."""
+
+    def __init__(self, dim, heads, head_dim, ffn, dropout, **attn_kwargs):
+        super().__init__()
+        factory = {k: attn_kwargs[k] for k in ("device", "dtype") if k in attn_kwargs}
+        self.norm1 = nn.LayerNorm(dim, **factory)
+        self.attn = MultiHeadAttention(dim, heads, head_dim, **attn_kwargs)
+        self.norm2 = nn.LayerNorm(dim, **factory)
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn, **factory), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(ffn, dim, **factory))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, valid=None, *, generator=None):
+        a, density = self.attn(self.norm1(x), valid, generator=generator)
+        x = x + self.drop(a)
+        x = x + self.drop(self.ffn(self.norm2(x)))
+        return x, density
+
+
+class LRAClassifier(nn.Module):
+    """Encoder classifier of the SBM-Transformer's LRA experiments.
+
+    Parameters
+    ----------
+    vocab_size : token ids are in ``[0, vocab_size)``; ``pad_id`` marks padding
+        (None: no padding, e.g. pixel tokens where 0 is black, not padding).
+    seq_len : maximum sequence length (size of the learned position table).
+    num_classes : output classes.
+    attention : "sbm" or "dense".
+    dim, heads, head_dim, ffn, num_layers, dropout, num_clusters : the architecture
+        (defaults: the paper's LRA configuration).
+    dual : two-tower input for Retrieval.
+    duplicates, self_loops, chunk_size : forwarded to the SBM heads.
+    device, dtype : for the parameters.
+
+    Forward
+    -------
+    ``model(tokens)`` or ``model(tokens, tokens_2)`` when dual, with optional
+    ``generator=`` for the SBM sampling; returns ``(logits [B, C], densities)`` where
+    ``densities`` is a list of ``[B, H]`` tensors, one per layer (for dual inputs the two
+    towers' densities are concatenated along the batch).
+
+    Complexity
+    ----------
+    Per layer ``O(n dim (dim + ffn))`` plus attention: ``O(n^2 d)`` dense, or
+    ``O(E (d + k) + n k d)`` SBM for ``E`` sampled edges.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, num_classes: int, *,
+                 attention: str = "sbm", dim: int = 64, heads: int = 2, head_dim: int = 32,
+                 ffn: int = 128, num_layers: int = 2, dropout: float = 0.1,
+                 num_clusters: int = 128, pad_id: int | None = 0, dual: bool = False,
+                 duplicates: str = "merge", self_loops: bool = False,
+                 chunk_size: int | None = None, device=None, dtype=None):
+        super().__init__()
+        for name, val in (("vocab_size", vocab_size), ("seq_len", seq_len),
+                          ("num_classes", num_classes), ("dim", dim), ("heads", heads),
+                          ("head_dim", head_dim), ("ffn", ffn), ("num_layers", num_layers),
+                          ("num_clusters", num_clusters)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.attention, self.pad_id, self.dual, self.seq_len = attention, pad_id, dual, seq_len
+        self.num_layers, self.heads = num_layers, heads
+        self.embed = nn.Embedding(vocab_size, dim, **factory)
+        self.pos = nn.Parameter(torch.empty(seq_len, dim, **factory))
+        nn.init.normal_(self.pos, std=0.02)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(dim, heads, head_dim, ffn, dropout, attention=attention,
+                         num_clusters=num_clusters, duplicates=duplicates,
+                         self_loops=self_loops, chunk_size=chunk_size, **factory)
+            for _ in range(num_layers))
+        self.norm = nn.LayerNorm(dim, **factory)
+        width = 4 * dim if dual else dim
+        self.head = nn.Sequential(nn.Linear(width, ffn, **factory), nn.ReLU(),
+                                  nn.Linear(ffn, num_classes, **factory))
+
+    def encode(self, tokens: torch.Tensor, *, generator=None):
+        """Pooled representation ``[B, dim]`` and per-layer densities of one tower."""
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(
+                f"tokens: expected a [B, n] int64 tensor, got {tuple(tokens.shape)} "
+                f"{tokens.dtype}")
+        n = tokens.shape[1]
+        if n > self.seq_len:
+            raise ValueError(f"tokens: length {n} exceeds seq_len={self.seq_len}")
+        valid = None if self.pad_id is None else tokens != self.pad_id
+        if valid is not None:
+            valid[:, 0] = True  # an all-padding row would have nothing to attend to
+        x = self.drop(self.embed(tokens) + self.pos[:n])
+        densities = []
+        for block in self.blocks:
+            x, density = block(x, valid, generator=generator)
+            densities.append(density)
+        x = self.norm(x)
+        if valid is None:
+            pooled = x.mean(1)
+        else:
+            w = valid.to(x.dtype)[..., None]
+            pooled = (x * w).sum(1) / w.sum(1)
+        return pooled, densities
+
+    def forward(self, tokens: torch.Tensor, tokens_2: torch.Tensor | None = None, *,
+                generator: torch.Generator | None = None):
+        if self.dual != (tokens_2 is not None):
+            raise ValueError("tokens_2: required exactly when the model is dual (Retrieval)")
+        u, densities = self.encode(tokens, generator=generator)
+        if tokens_2 is None:
+            return self.head(u), densities
+        v, densities_2 = self.encode(tokens_2, generator=generator)
+        feats = torch.cat([u, v, u * v, u - v], dim=-1)
+        return self.head(feats), [torch.cat([a, b]) for a, b in zip(densities, densities_2)]
+
+    def set_record(self, flag: bool) -> None:
+        """Keep (True) or drop the sampled edge lists of the last forward (for plots)."""
+        for block in self.blocks:
+            block.attn.record = flag
+            block.attn.last_edges = None
+
+    def last_edges(self) -> list:
+        """Per layer: the ``(group, query, key)`` edges of the last recorded forward."""
+        return [block.attn.last_edges for block in self.blocks]
+
+
+def attention_flops(num_edges: float, head_dim: int) -> float:
+    """Multiply-adds of attention on ``num_edges`` edges, counted as FLOPs (2 per MAC).
+
+    Per edge: the score ``<q_i, k_j>`` (``d`` MACs) and the weighted value sum
+    (``d`` MACs), i.e. ``4 d`` FLOPs; the softmax's exp/sum/divide are ``O(1)`` per edge
+    and not counted. Dense attention is the complete graph, ``n * m`` edges.
+    """
+    if num_edges < 0 or head_dim < 1:
+        raise ValueError(
+            f"num_edges, head_dim: expected >= 0 and >= 1, got {num_edges}, {head_dim}")
+    return 4.0 * head_dim * float(num_edges)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+__all__ = [
+    "ATTENTIONS",
+    "EncoderBlock",
+    "LRAClassifier",
+    "MultiHeadAttention",
+    "attention_flops",
+    "count_parameters",
+]

@@ -1,0 +1,160 @@
+"""LRA model and training: dense path against a float64 reference, SBM padding
+handling, one step reducing the loss for both attentions, the density regulariser's
+gradient, and DDP (2 CPU processes on gloo) against one process on the same global batch."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from companion.lra import listops
+from companion.lra.model import LRAClassifier, attention_flops
+from companion.lra.train import TrainConfig, evaluate, main, train
+from companion.sbm import density_regularizer
+
+
+def _batch(seed=0, n=8, length=24, pad_from=18):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 17, (n, length), generator=g)
+    tokens[n // 2:, pad_from:] = 0  # half of the rows padded
+    labels = torch.randint(0, 10, (n,), generator=g)
+    return tokens, labels
+
+
+def test_dense_attention_matches_float64_reference():
+    torch.manual_seed(0)
+    model = LRAClassifier(17, 24, 10, attention="dense", dropout=0.0, dtype=torch.float64)
+    tokens, _ = _batch()
+    attn = model.blocks[0].attn
+    x = torch.randn(8, 24, 64, dtype=torch.float64)
+    valid = tokens != 0
+    out, density = attn(x, valid)
+    q, k, v = attn.qkv(x).reshape(8, 24, 3, 2, 32).permute(2, 0, 3, 1, 4)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(32)
+    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+    ref = (scores.softmax(-1) @ v).transpose(1, 2).reshape(8, 24, 64)
+    torch.testing.assert_close(out, attn.out(ref), rtol=1e-10, atol=1e-10)
+    assert torch.equal(density, torch.ones(8, 2, dtype=torch.float64))
+
+
+def test_sbm_attention_never_touches_padding_and_density_counts_valid_pairs():
+    torch.manual_seed(1)
+    model = LRAClassifier(17, 24, 10, attention="sbm", num_clusters=8, dropout=0.0)
+    tokens, _ = _batch()
+    model.set_record(True)
+    _, densities = model(tokens, generator=torch.Generator().manual_seed(3))
+    valid = tokens != 0
+    lengths = valid.sum(1).float()
+    for edges, density in zip(model.last_edges(), densities):
+        group, query, key = edges
+        b = group // 2
+        assert valid[b, query].all() and valid[b, key].all()
+        counts = torch.bincount(group, minlength=16).float().reshape(8, 2)
+        torch.testing.assert_close(density.detach(), counts / (lengths ** 2)[:, None])
+        assert (density > 0).all() and (density <= 1).all()
+
+
+@pytest.mark.parametrize("attention", ["dense", "sbm"])
+def test_one_training_step_reduces_loss_on_a_fixed_batch(attention):
+    torch.manual_seed(2)
+    pairs = listops.generate(16, seed=0, min_length=8, max_length=30, max_depth=3)
+    tokens, labels = listops.dataset(pairs, max_length=32)
+    model = LRAClassifier(listops.vocab_size(), 32, 10, attention=attention,
+                          num_clusters=16, dropout=0.0)
+
+    def loss_now():
+        # average over sampled graphs so the comparison is about the parameters
+        with torch.no_grad():
+            return sum(torch.nn.functional.cross_entropy(
+                model(tokens, generator=torch.Generator().manual_seed(s))[0], labels)
+                for s in range(4)) / 4
+
+    before = loss_now()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    logits, _ = model(tokens, generator=torch.Generator().manual_seed(0))
+    torch.nn.functional.cross_entropy(logits, labels).backward()
+    opt.step()
+    assert loss_now() < before
+
+
+def test_density_regulariser_gradient_lowers_density():
+    torch.manual_seed(4)
+    model = LRAClassifier(17, 24, 10, attention="sbm", num_clusters=8, dropout=0.0)
+    tokens, _ = _batch()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+
+    def mean_density():
+        with torch.no_grad():
+            return torch.stack([d.mean() for d in model(
+                tokens, generator=torch.Generator().manual_seed(9))[1]]).mean()
+
+    start = mean_density()
+    for s in range(8):
+        _, densities = model(tokens, generator=torch.Generator().manual_seed(s))
+        loss = density_regularizer(densities, 1.0)
+        opt.zero_grad()
+        loss.backward()
+        if s == 0:  # (later the STE has no sampled edge left to pass gradient through)
+            assert model.blocks[0].attn.sbm.cluster_embeddings.grad.abs().sum() > 0
+        opt.step()
+    assert mean_density() < 0.7 * start
+
+
+def test_train_tracks_density_and_keeps_best_dev_checkpoint():
+    pairs = listops.generate(96, seed=1, min_length=4, max_length=20, max_depth=3)
+    tokens, labels = listops.dataset(pairs, max_length=24)
+    split = [(tokens[:64], labels[:64]), (tokens[64:80], labels[64:80]),
+             (tokens[80:], labels[80:])]
+    torch.manual_seed(0)
+    model = LRAClassifier(listops.vocab_size(), 24, 10, attention="sbm", num_clusters=8)
+    config = TrainConfig(steps=6, batch_size=16, lr=1e-3, eval_every=2, eval_batch_size=16)
+    result = train(model, *split, config)
+    assert len(result.losses) == 6 and len(result.densities) == 6
+    assert len(result.densities[0]) == 2 and len(result.densities[0][0]) == 2
+    assert [e["step"] for e in result.evals] == [2, 4, 6]
+    best = max(result.evals, key=lambda e: e["dev_accuracy"])
+    assert result.best_dev_accuracy == best["dev_accuracy"]
+    # the kept parameters are the best checkpoint's: re-evaluating dev reproduces it
+    acc, _ = evaluate(model, split[1], batch_size=16, seed=config.seed)
+    assert acc == result.best_dev_accuracy
+    assert 0 <= result.test_accuracy <= 1
+    assert all(0 < d <= 1 for row in result.test_density for d in row)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="attention"):
+        LRAClassifier(17, 24, 10, attention="linear")
+    model = LRAClassifier(17, 24, 10, attention="dense")
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(2, 30, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="num_edges"):
+        attention_flops(-1, 32)
+    assert attention_flops(10, 32) == 1280.0
+
+
+def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+    """Same loss trajectory as one process with the same global batch (dense, no dropout:
+    the only randomness left is the batch order, which every process shares)."""
+    args = ["--task", "listops", "--attention", "dense", "--device", "cpu", "--seed", "3",
+            "--n-train", "64", "--n-eval", "16", "--seq-len", "32", "--min-length", "4",
+            "--max-length", "30", "--max-depth", "3", "--steps", "5", "--batch-size", "8",
+            "--eval-every", "5", "--dropout", "0.0"]
+    single = main([*args, "--out", str(tmp_path / "one.json")])["result"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", "-m", "companion.lra.train", *args,
+           "--out", str(tmp_path / "two.json")]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    double = json.loads((tmp_path / "two.json").read_text())["result"]
+    torch.testing.assert_close(torch.tensor(double["losses"]), torch.tensor(single["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    assert double["test_accuracy"] == pytest.approx(single["test_accuracy"])
