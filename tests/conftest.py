@@ -36,6 +36,8 @@ def make_project(root: Path, chapters: dict[str, Path]) -> Path:
     for name in ("_static", "_ext"):
         os.symlink(REPO / "book" / name, root / "book" / name)
     os.symlink(REPO / "lib", root / "lib")
+    if (REPO / ".cache").exists():  # installed corpora and npm packages
+        os.symlink(REPO / ".cache", root / ".cache")
     for name, src in chapters.items():
         shutil.copy(src, root / "chapters" / f"{name}.md")
     (root / "_toc.yml").write_text(toc_yaml(list(chapters)))

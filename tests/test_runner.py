@@ -63,7 +63,8 @@ def test_run_success_cache_and_force(demo_project):
     assert res.status == "ok", res.error
     nb = json.loads(p.notebook("demo").read_text())
     box = [c for c in nb["cells"] if runner.BOX_TAG in c["metadata"].get("tags", [])]
-    assert len(box) == 1 and "python -m companion run demo --scale smoke" in "".join(box[0]["source"])
+    assert len(box) == 1
+    assert "python -m companion run demo --scale smoke" in "".join(box[0]["source"])
     assert "".join(nb["cells"][0]["source"]).startswith("# Demo chapter"), "title stays first"
     assert (p.assets("demo") / "figures" / "demo-random-walk.png").exists()
     assert (p.assets("demo") / "claims" / "demo-mean-small.json").exists()

@@ -156,7 +156,8 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                     WebDriverWait(driver, 20).until(lambda d: d.execute_script(
                         "return !window.MathJax || !MathJax.startup || "
                         "!MathJax.startup.promise ? true : "
-                        "(window.__mjDone || (MathJax.startup.promise.then(()=>{window.__mjDone=true}), false))"))
+                        "(window.__mjDone || "
+                        "(MathJax.startup.promise.then(() => {window.__mjDone = true}), false))"))
                 # Images below the fold: scroll through the page so lazy ones load too.
                 driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
                 with contextlib.suppress(Exception):
@@ -180,7 +181,11 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                 if errors:
                     res.problems.append(f"console errors: {errors[:3]}")
                 shot = shots / (page.replace("/", "__").removesuffix(".html") + ".png")
+                # Full-page screenshot: grow the window to the page's height first.
+                height = driver.execute_script("return document.documentElement.scrollHeight")
+                driver.set_window_size(1400, min(int(height) + 50, 16000))
                 driver.save_screenshot(str(shot))
+                driver.set_window_size(1400, 1000)
                 res.screenshot = str(shot)
         finally:
             driver.quit()

@@ -268,7 +268,8 @@ def active_chapter() -> Chapter:
 
 def _check_id(kind: str, item_id: str, chapter: Chapter) -> None:
     if not isinstance(item_id, str) or not _ID_RE.match(item_id):
-        raise ValueError(f"{kind}: expected a kebab-case id like 'hasse-causal-mask', got {item_id!r}")
+        raise ValueError(
+            f"{kind}: expected a kebab-case id like 'hasse-causal-mask', got {item_id!r}")
     if not item_id.startswith(chapter.prefix + "-"):
         raise ValueError(
             f"{kind}: id {item_id!r} must start with the chapter prefix {chapter.prefix + '-'!r}"

@@ -1,0 +1,30 @@
+"""Collect every benchmark's Markdown result into benchmarks/results/SUMMARY.md and print it."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    parts = [
+        "# Benchmark summary",
+        "",
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}.",
+        "",
+    ]
+    for md in sorted(RESULTS.glob("*.md")):
+        if md.name == "SUMMARY.md":
+            continue
+        parts += [md.read_text().strip(), ""]
+    text = "\n".join(parts) + "\n"
+    (RESULTS / "SUMMARY.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
