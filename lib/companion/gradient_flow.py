@@ -1,0 +1,817 @@
+"""Multi-head attention dynamics on the sphere as a time-dependent Wasserstein gradient flow.
+
+This module implements the particle model of Massucco, Del Grande, Carioni, Brune and
+Schönlieb, *Multi-Headed Transformer Architectures as Time-dependent Wasserstein Gradient
+Flows* (arXiv 2605.18870). ``n`` tokens ``x_i`` live on the unit sphere
+:math:`S^{d-1}`; ``H`` heads carry symmetric matrices ``D_h`` that play the role of both
+:math:`Q_h^\\top K_h` and (with a minus sign) the value matrix. With
+:math:`U^h_{ij} = \\exp(\\langle x_i, D_h x_j\\rangle)` and
+:math:`Z_{ih} = \\frac1n \\sum_j U^h_{ij}` the tokens move by
+
+.. math::
+
+    \\dot x_i = \\mathrm{sign} \\cdot \\frac1H \\sum_h P_{x_i}\\Big[\\frac{1}{Z_{ih}}
+    \\frac1n \\sum_j U^h_{ij} D_h x_j\\Big], \\qquad P_x = I - x x^\\top,
+
+with ``sign = -1`` the paper's gradient *descent* of the energy
+
+.. math::
+
+    E(t) = \\frac{1}{2 H n^2} \\sum_h \\sum_{i,j} U^h_{ij},
+
+and ``sign = +1`` the clustering dynamics of Geshkovski, Letrouit, Polyanskiy and Rigollet.
+The weights follow an SDE :math:`dD_h = f_h(D_h, t)\\,dt + \\sigma\\,dW_h` with symmetric
+noise :math:`dW = \\sqrt{dt}\\,(Z + Z^\\top)/2`.
+
+Energy balance. Write :math:`u_{ih} = P_{x_i} D_h a_{ih}` with
+:math:`a_{ih} = \\sum_j w^h_{ij} x_j` the softmax mean of the tokens. The tangent
+Wasserstein gradient of ``E`` at token ``i`` is
+:math:`\\hat g_i = \\frac1H \\sum_h Z_{ih} u_{ih}` (``n`` times the Euclidean gradient),
+so along the flow
+
+.. math::
+
+    dE = -\\mathcal D\\,dt + \\partial_t E\\,dt + dM_t, \\qquad
+    \\mathcal D = -\\frac1n \\sum_i \\langle \\hat g_i, v_i\\rangle ,
+
+where :math:`\\partial_t E = \\frac{1}{2Hn^2}\\sum U^h_{ij}[x_i^\\top f_h x_j +
+\\frac{\\sigma^2}{4}(1 + \\langle x_i, x_j\\rangle^2)]` is the rate at fixed tokens (the
+second term is the Itô correction of the symmetric noise) and
+:math:`dM = \\frac{1}{2Hn^2} \\sum U^h_{ij}\\, x_i^\\top (\\sigma dW_h) x_j` the martingale.
+The paper's numerics replace :math:`\\mathcal D` by the slope
+:math:`G^2 = \\frac1n \\sum_i b_i |v_i|^2` with the harmonic-mean mobility
+:math:`b_i = [\\frac1H \\sum_h 1/Z_{ih}]^{-1}`. For one head the two coincide; for
+several distinct heads they do not, and the energy balance written with ``G^2`` holds only
+as an inequality. :func:`simulate` records both residuals.
+
+Implementation. One step costs the ``H n^2`` exponentials the model needs and nothing
+more: all heads of one path attend to the same keys and values (the tokens), so the
+``H`` heads are stacked into ``H n`` query rows of one attention call per path, and the
+drift, energy, rates and slopes are read off the softmax moments
+(:math:`Z`, :math:`\\sum_j w_{ij} x_j` and, with noise, :math:`\\sum_j w_{ij} x_j x_j^\\top`).
+On CPU the fused flash-attention kernel is used (no ``n x n`` matrix is stored); elsewhere a
+row-chunked evaluation bounded by ``max_chunk_elements``. Memory is
+:math:`O(P H n d^2)` plus one chunk; no ``[paths, heads, n, n, d]`` tensor is formed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Frozen",
+    "OrnsteinUhlenbeck",
+    "Oscillating",
+    "PowerLawFit",
+    "Trajectory",
+    "fit_power_law",
+    "gronwall_bound",
+    "initial_weights",
+    "lipschitz_constant",
+    "octahedral_tokens",
+    "oscillating_target",
+    "pairwise_inner_stats",
+    "simulate",
+    "step_quantities",
+    "uniform_sphere",
+    "velocity",
+    "w2_sphere",
+    "weight_sensitivity",
+]
+
+DEFAULT_DTYPE = torch.float64
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a positive number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive finite number, got {value}")
+    return float(value)
+
+
+def _check_tokens(tokens) -> torch.Tensor:
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens: expected a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dim() != 3:
+        raise ValueError(
+            f"tokens: expected a 3-D tensor [paths, n, d], got shape {tuple(tokens.shape)}"
+        )
+    if not tokens.is_floating_point():
+        raise TypeError(f"tokens: expected a floating dtype, got {tokens.dtype}")
+    if tokens.shape[-1] < 2:
+        raise ValueError(f"tokens: expected dimension d >= 2, got d = {tokens.shape[-1]}")
+    if tokens.shape[1] < 1:
+        raise ValueError("tokens: expected at least one token (n >= 1)")
+    norms = tokens.norm(dim=-1)
+    tol = 1e-6 if tokens.dtype == torch.float64 else 1e-3
+    if not torch.all((norms - 1).abs() <= tol):
+        worst = (norms - 1).abs().max().item()
+        raise ValueError(
+            f"tokens: expected unit vectors on the sphere, max | |x| - 1 | = {worst:.3g}"
+        )
+    return tokens
+
+
+def _check_weights(weights, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"weights: expected a torch.Tensor, got {type(weights).__name__}")
+    if weights.dim() != 4 or weights.shape[-1] != weights.shape[-2]:
+        raise ValueError(
+            "weights: expected a 4-D tensor [paths, heads, d, d] of square matrices, "
+            f"got shape {tuple(weights.shape)}"
+        )
+    if weights.shape[-1] < 2:
+        raise ValueError(f"weights: expected dimension d >= 2, got d = {weights.shape[-1]}")
+    if weights.shape[1] < 1:
+        raise ValueError("weights: expected at least one head")
+    if tokens is not None:
+        if weights.dtype != tokens.dtype or weights.device != tokens.device:
+            raise TypeError(
+                f"weights: expected dtype {tokens.dtype} on {tokens.device} like tokens, "
+                f"got {weights.dtype} on {weights.device}"
+            )
+        if weights.shape[0] != tokens.shape[0] or weights.shape[-1] != tokens.shape[-1]:
+            raise ValueError(
+                f"weights: expected shape [{tokens.shape[0]}, heads, {tokens.shape[-1]}, "
+                f"{tokens.shape[-1]}] to match tokens {tuple(tokens.shape)}, "
+                f"got {tuple(weights.shape)}"
+            )
+    asym = (weights - weights.transpose(-1, -2)).abs().amax()
+    scale = weights.abs().amax().clamp_min(1.0)
+    tol = 1e-10 if weights.dtype == torch.float64 else 1e-5
+    if asym > tol * scale:
+        raise ValueError(
+            f"weights: expected symmetric matrices D_h = D_h^T, max |D - D^T| = {asym.item():.3g}"
+        )
+    return weights
+
+
+def _factory(dtype, device):
+    from companion.devices import resolve_device
+
+    return {"dtype": DEFAULT_DTYPE if dtype is None else dtype, "device": resolve_device(device)}
+
+
+# ------------------------------------------------------------------ initial conditions
+def octahedral_tokens(
+    n: int,
+    noise: float = 0.05,
+    generator: torch.Generator | None = None,
+    *,
+    paths: int | None = None,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+) -> torch.Tensor:
+    """Tokens at the six octahedron vertices ``±e_1, ±e_2, ±e_3`` of S^2, plus noise.
+
+    Token ``i`` sits at vertex ``i mod 6`` (order ``+e1, -e1, +e2, -e2, +e3, -e3``), gets
+    i.i.d. ``N(0, noise^2)`` perturbations in each coordinate and is renormalised. This is
+    the paper's initial condition (n = 200, noise = 0.05).
+
+    Parameters
+    ----------
+    n : int >= 1, number of tokens.
+    noise : float >= 0, standard deviation of the perturbation.
+    generator : torch.Generator on ``device`` or None.
+    paths : int or None. None returns ``[n, 3]``; an int returns ``[paths, n, 3]`` with
+        independent noise per path.
+    dtype, device : of the result (float64, "cpu" by default).
+
+    Returns
+    -------
+    Tensor ``[n, 3]`` or ``[paths, n, 3]`` of unit vectors. Complexity O(paths n).
+    """
+    n = _check_int("n", n, 1)
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
+        raise ValueError(f"noise: expected a float >= 0, got {noise!r}")
+    batch = () if paths is None else (_check_int("paths", paths, 1),)
+    kw = _factory(dtype, device)
+    vertices = torch.cat([torch.eye(3, **kw), -torch.eye(3, **kw)], 0)[[0, 3, 1, 4, 2, 5]]
+    x = vertices[torch.arange(n, device=kw["device"]) % 6].expand(*batch, n, 3)
+    x = x + noise * torch.randn(*batch, n, 3, generator=generator, **kw)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def uniform_sphere(
+    n: int,
+    d: int,
+    generator: torch.Generator | None = None,
+    *,
+    paths: int | None = None,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+) -> torch.Tensor:
+    """``n`` i.i.d. uniform points on S^{d-1} (normalised Gaussians).
+
+    Returns ``[n, d]`` (``paths=None``) or ``[paths, n, d]``. Complexity O(paths n d).
+    """
+    n = _check_int("n", n, 1)
+    d = _check_int("d", d, 2)
+    batch = () if paths is None else (_check_int("paths", paths, 1),)
+    x = torch.randn(*batch, n, d, generator=generator, **_factory(dtype, device))
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def initial_weights(
+    heads: int,
+    d: int,
+    generator: torch.Generator | None = None,
+    *,
+    paths: int = 1,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+) -> torch.Tensor:
+    """The paper's initial head matrices ``D_h(0) = Z + Z^T``, ``Z`` i.i.d. N(0, 1).
+
+    Returns ``[paths, heads, d, d]`` symmetric matrices, independent over paths and heads.
+    """
+    heads = _check_int("heads", heads, 1)
+    d = _check_int("d", d, 2)
+    paths = _check_int("paths", paths, 1)
+    z = torch.randn(paths, heads, d, d, generator=generator, **_factory(dtype, device))
+    return z + z.transpose(-1, -2)
+
+
+# -------------------------------------------------------------------- weight processes
+def oscillating_target(t: torch.Tensor, d: int) -> torch.Tensor:
+    """The paper's non-integrable target ``F(t)`` (d = 2 or 3), batched over ``t``.
+
+    d = 3: ``[[2+1.5 cos t, sin 2t, sin t], [sin 2t, 2+1.5 sin t, cos 2t],
+    [sin t, cos 2t, 2+1.5 cos(t+pi/4)]]``; d = 2: ``[[2+1.5 cos t, sin 2t],
+    [sin 2t, 2-1.5 cos t]]``. Returns ``t.shape + (d, d)``.
+    """
+    if d == 3:
+        c, s = torch.cos, torch.sin
+        rows = [
+            [2 + 1.5 * c(t), s(2 * t), s(t)],
+            [s(2 * t), 2 + 1.5 * s(t), c(2 * t)],
+            [s(t), c(2 * t), 2 + 1.5 * c(t + math.pi / 4)],
+        ]
+    elif d == 2:
+        rows = [
+            [2 + 1.5 * torch.cos(t), torch.sin(2 * t)],
+            [torch.sin(2 * t), 2 - 1.5 * torch.cos(t)],
+        ]
+    else:
+        raise ValueError(f"d: the oscillating target is defined for d in (2, 3), got d = {d}")
+    return torch.stack([torch.stack(r, -1) for r in rows], -2)
+
+
+@dataclass(frozen=True)
+class OrnsteinUhlenbeck:
+    """Integrable regime: ``dD = (I - D) dt + sigma dW``; stationary law ``I + sigma S/sqrt 2``.
+
+    ``sigma2`` is the noise variance ``sigma^2`` (the paper uses 2, stationary law
+    ``I + (Z + Z^T)/2``).
+    """
+
+    sigma2: float = 2.0
+
+    def __post_init__(self):
+        if isinstance(self.sigma2, bool) or not isinstance(self.sigma2, (int, float)):
+            raise TypeError(f"sigma2: expected a float >= 0, got {self.sigma2!r}")
+        if self.sigma2 < 0 or not math.isfinite(self.sigma2):
+            raise ValueError(f"sigma2: expected a finite float >= 0, got {self.sigma2}")
+
+    @property
+    def sigma(self) -> float:
+        return math.sqrt(self.sigma2)
+
+    def drift(self, weights: torch.Tensor, t: float) -> torch.Tensor:
+        eye = torch.eye(weights.shape[-1], dtype=weights.dtype, device=weights.device)
+        return eye - weights
+
+
+@dataclass(frozen=True)
+class Oscillating:
+    """Non-integrable regime: ``dD_h = (F(t + phi_h) - D_h) dt``, no noise.
+
+    ``phases="identical"``: every head follows the same target ``F(t)`` (the paper's
+    regime). ``phases="spread"``: head ``h`` follows ``F(t + 2 pi h / H)``; averaged over
+    heads the oscillations cancel (the pitfall: the slope decays like 1/H again).
+    """
+
+    phases: str = "identical"
+
+    def __post_init__(self):
+        if self.phases not in ("identical", "spread"):
+            raise ValueError(f"phases: expected 'identical' or 'spread', got {self.phases!r}")
+
+    sigma: float = field(default=0.0, init=False)
+
+    def drift(self, weights: torch.Tensor, t: float) -> torch.Tensor:
+        heads, d = weights.shape[1], weights.shape[-1]
+        tt = torch.full((heads,), float(t), dtype=weights.dtype, device=weights.device)
+        if self.phases == "spread":
+            tt = tt + 2 * math.pi * torch.arange(heads, dtype=weights.dtype,
+                                                 device=weights.device) / heads
+        return oscillating_target(tt, d).unsqueeze(0) - weights
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """Weights held fixed: ``dD = 0``."""
+
+    sigma: float = field(default=0.0, init=False)
+
+    def drift(self, weights: torch.Tensor, t: float) -> None:
+        return None
+
+
+_PROCESSES = (OrnsteinUhlenbeck, Oscillating, Frozen)
+
+
+# ----------------------------------------------------------------- softmax moments
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _softmax_moments(queries, keys, values, max_chunk_elements: int = 1 << 25):
+    """Row log-sum-exp and softmax means of ``values`` for logits ``queries @ keys^T``.
+
+    queries ``[P, L, d]``, keys ``[P, n, d]``, values ``[P, n, E]`` (E >= d) ->
+    (``lse [P, L]``, ``mean [P, L, E]``). On CPU the fused flash kernel (tiled; the
+    ``L x n`` logits are never stored); elsewhere row chunks of at most
+    ``max_chunk_elements`` logits each.
+    """
+    P, L, d = queries.shape
+    E = values.shape[-1]
+    if (
+        _FLASH_CPU is not None
+        and queries.device.type == "cpu"
+        and queries.dtype in (torch.float32, torch.float64)
+    ):
+        # The kernel wants one head size for q, k and v: zero columns leave logits unchanged.
+        q = torch.nn.functional.pad(queries, (0, E - d)).unsqueeze(1)
+        k = torch.nn.functional.pad(keys, (0, E - d)).unsqueeze(1)
+        try:
+            out, lse = _FLASH_CPU(q, k, values.unsqueeze(1), 0.0, False, scale=1.0)
+            return lse.squeeze(1), out.squeeze(1)
+        except RuntimeError:  # pragma: no cover - kernel unavailable for this build
+            pass
+    n = keys.shape[1]
+    rows = max(1, max_chunk_elements // max(1, P * n))
+    kt = keys.transpose(-1, -2)
+    lses, means = [], []
+    for start in range(0, L, rows):  # memory tiling of the stacked rows, not a loop over heads
+        logits = torch.matmul(queries[:, start:start + rows], kt)
+        rowmax = logits.amax(-1, keepdim=True)
+        w = (logits - rowmax).exp_()
+        total = w.sum(-1, keepdim=True)
+        means.append(torch.matmul(w, values) / total)
+        lses.append((rowmax + total.log()).squeeze(-1))
+    return torch.cat(lses, 1), torch.cat(means, 1)
+
+
+def _sym_pairs(d: int, device):
+    iu = torch.triu_indices(d, d, device=device)
+    return iu[0], iu[1]
+
+
+def step_quantities(
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    sign: int = -1,
+    drift: torch.Tensor | None = None,
+    sigma: float = 0.0,
+    noise: torch.Tensor | None = None,
+    validate: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Velocity and every energy-balance quantity at one state, batched over paths.
+
+    Parameters
+    ----------
+    tokens : ``[P, n, d]`` unit vectors. weights : ``[P, H, d, d]`` symmetric.
+    sign : -1 (descent, the paper) or +1 (GLPR clustering).
+    drift : ``[P, H, d, d]`` or ``[H, d, d]`` weight drift ``f_h`` at this time, or None (0).
+    sigma : noise amplitude of the weights. noise : the increment ``dW`` ``[P, H, d, d]``
+        of this step (only for the martingale increment) or None.
+
+    Returns
+    -------
+    dict with ``velocity [P, n, d]`` and, per path ``[P]``: ``energy``, ``energy_rate``
+    (``dE/dt`` at fixed tokens, Itô correction included), ``slope_sq`` (harmonic-mean
+    ``G^2``), ``dissipation`` (``-(1/n) sum_i <g_i, v_i>``), ``martingale_increment``
+    (``1/(2Hn^2) sum U x_i^T (sigma dW) x_j``, 0 without noise), and ``Z [P, n, H]``
+    (token-major: row ``i`` holds the heads of token ``i``).
+
+    Complexity: ``O(P H n^2 d)`` time (``P H n^2`` exponentials), ``O(P H n d^2)`` memory.
+    """
+    if validate:
+        _check_tokens(tokens)
+        _check_weights(weights, tokens)
+        if sign not in (-1, 1):
+            raise ValueError(f"sign: expected -1 or +1, got {sign!r}")
+    P, n, d = tokens.shape
+    H = weights.shape[1]
+
+    def per_head(mats):  # x_i^T M_h for all heads as one GEMM per path: [P, n, H, d]
+        if mats.dim() == 3:
+            mats = mats.unsqueeze(0).expand(P, -1, -1, -1)
+        cat = mats.permute(0, 2, 1, 3).reshape(P, d, H * d)  # cat[p, a, h d + b] = M_h[a, b]
+        return torch.matmul(tokens, cat).view(P, n, H, d)
+
+    pairs = _sym_pairs(d, tokens.device) if sigma > 0 else None
+    if pairs is not None:
+        # Values x_j and the upper triangle of x_j x_j^T: enough for the Itô term.
+        values = torch.cat([tokens, tokens[..., pairs[0]] * tokens[..., pairs[1]]], -1)
+    else:
+        values = tokens
+    # Rows (i, h) of the stacked queries are D_h x_i; all heads share keys and values.
+    queries = per_head(weights)
+    lse, means = _softmax_moments(queries.view(P, n * H, d), tokens, values)
+    Z = (lse.view(P, n, H) - math.log(n)).exp()  # Z_ih = (1/n) sum_j U_ij^h
+    means = means.view(P, n, H, -1)
+    a = means[..., :d]  # a_ih: softmax mean of the tokens
+    xm = (queries * a).sum(-1)  # <x_i, D_h a_ih> = <D_h x_i, a_ih>
+    stacked = weights.reshape(P, H * d, d)  # sum_h D_h a_ih as one contraction over (h, b)
+    sum_m = torch.matmul(a.reshape(P, n, H * d), stacked)
+    sum_zm = torch.matmul((Z.unsqueeze(-1) * a).reshape(P, n, H * d), stacked)
+    vel = (sign / H) * (sum_m - xm.sum(-1, keepdim=True) * tokens)
+    ghat = (sum_zm - (Z * xm).sum(-1, keepdim=True) * tokens) / H  # (1/H) sum_h Z_ih u_ih
+    energy = Z.sum((1, 2)) / (2 * H * n)
+    dissipation = -(ghat * vel).sum(-1).mean(-1)
+    mobility = 1.0 / (1.0 / Z).mean(-1)  # b_i: harmonic mean over heads of Z_ih
+    slope_sq = (mobility * (vel * vel).sum(-1)).mean(-1)
+
+    term = (per_head(drift) * a).sum(-1) if drift is not None else torch.zeros_like(Z)
+    if pairs is not None:
+        mult = torch.where(pairs[0] == pairs[1], 1.0, 2.0).to(tokens.dtype)
+        xx = tokens[..., pairs[0]] * tokens[..., pairs[1]] * mult  # x_i^T C x_i = <xx, c>
+        term = term + (sigma * sigma / 4.0) * (1.0 + (means[..., d:] * xx.unsqueeze(2)).sum(-1))
+    energy_rate = (Z * term).sum((1, 2)) / (2 * H * n)
+    if noise is not None and sigma > 0:
+        mart = sigma * (Z * (per_head(noise) * a).sum(-1)).sum((1, 2)) / (2 * H * n)
+    else:
+        mart = torch.zeros_like(energy)
+    return {
+        "velocity": vel,
+        "energy": energy,
+        "energy_rate": energy_rate,
+        "slope_sq": slope_sq,
+        "dissipation": dissipation,
+        "martingale_increment": mart,
+        "Z": Z,
+    }
+
+
+def velocity(tokens: torch.Tensor, weights: torch.Tensor, sign: int = -1) -> torch.Tensor:
+    """Right-hand side ``dx_i/dt`` of the multi-head model.
+
+    ``sign/H sum_h P_{x_i}[(1/Z_ih)(1/n) sum_j exp(<x_i, D_h x_j>) D_h x_j]`` for tokens
+    ``[paths, n, d]`` and symmetric weights ``[paths, heads, d, d]``; returns
+    ``[paths, n, d]`` (tangent to the sphere). ``sign=-1`` is the paper's descent,
+    ``+1`` the GLPR clustering dynamics.
+
+    Complexity: ``O(paths heads n^2 d)`` time, no ``n x n`` matrix stored on CPU.
+    """
+    return step_quantities(tokens, weights, sign=sign)["velocity"]
+
+
+# --------------------------------------------------------------------------- simulate
+@dataclass
+class Trajectory:
+    """Recorded quantities of :func:`simulate`; record axis first, then paths.
+
+    times ``[R]``; positions ``[R, P, n, d]`` (None when not recorded); weights
+    ``[R, P, H, d, d]`` (None unless ``record_weights``); per record and path ``[R, P]``:
+    ``energy`` E, ``energy_rate`` (``dE/dt`` at fixed x), ``slope_sq`` (G^2, harmonic-mean
+    mobility), ``dissipation`` (true), the cumulative integrals ``int_slope_sq``,
+    ``int_dissipation``, ``int_energy_rate`` (left-point rule over every step),
+    ``martingale`` (cumulative M_t), and the residuals
+    ``residual_slope = dE - sign int G^2 - int dE/dt - M`` and
+    ``residual_dissipation = dE + int D - int dE/dt - M``. ``final_weights [P, H, d, d]``.
+    """
+
+    times: torch.Tensor
+    positions: torch.Tensor | None
+    weights: torch.Tensor | None
+    energy: torch.Tensor
+    energy_rate: torch.Tensor
+    slope_sq: torch.Tensor
+    dissipation: torch.Tensor
+    int_slope_sq: torch.Tensor
+    int_dissipation: torch.Tensor
+    int_energy_rate: torch.Tensor
+    martingale: torch.Tensor
+    residual_slope: torch.Tensor
+    residual_dissipation: torch.Tensor
+    final_tokens: torch.Tensor
+    final_weights: torch.Tensor
+    dt: float
+    sign: int
+
+    @property
+    def energy_change(self) -> torch.Tensor:
+        """``E(t) - E(0)`` per record and path."""
+        return self.energy - self.energy[:1]
+
+
+def simulate(
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    process,
+    *,
+    T: float,
+    dt: float,
+    record_every: int = 1,
+    sign: int = -1,
+    generator: torch.Generator | None = None,
+    record_positions: bool = True,
+    record_weights: bool = False,
+    progress: bool = False,
+) -> Trajectory:
+    """Integrate the coupled token/weight dynamics and record the energy balance.
+
+    Projected explicit Euler on the sphere, ``x <- (x + dt v) / |x + dt v|``, and
+    Euler–Maruyama for the weights, ``D <- D + f(D, t) dt + sigma dW`` with
+    ``dW = sqrt(dt) (Z + Z^T)/2``, both from the state at ``t_k``. The integrals in the
+    energy balance use the left-point rule at every step (so they are consistent with the
+    scheme to first order in ``dt``); records are taken at steps ``0, k, 2k, ...`` and at
+    the last step.
+
+    Parameters
+    ----------
+    tokens : ``[paths, n, d]`` unit vectors (d >= 2).
+    weights : ``[paths, heads, d, d]`` symmetric, same dtype/device as ``tokens``.
+    process : :class:`OrnsteinUhlenbeck`, :class:`Oscillating` or :class:`Frozen`.
+    T, dt : horizon and step (> 0); ``round(T/dt)`` steps.
+    record_every : int >= 1. sign : -1 (descent) or +1 (clustering).
+    generator : torch.Generator for the weight noise (on the tokens' device) or None.
+    record_positions, record_weights : store positions / weights at records.
+    progress : show a tqdm bar.
+
+    Returns
+    -------
+    :class:`Trajectory`.
+
+    Complexity: ``round(T/dt)`` steps of ``O(P H n^2 d)`` time each; memory
+    ``O(P H n d^2)`` per step plus the records.
+    """
+    tokens = _check_tokens(tokens)
+    weights = _check_weights(weights, tokens)
+    if not isinstance(process, _PROCESSES):
+        raise TypeError(
+            "process: expected OrnsteinUhlenbeck, Oscillating or Frozen, "
+            f"got {type(process).__name__}"
+        )
+    T = _check_positive("T", T)
+    dt = _check_positive("dt", dt)
+    record_every = _check_int("record_every", record_every, 1)
+    if sign not in (-1, 1):
+        raise ValueError(f"sign: expected -1 or +1, got {sign!r}")
+    if isinstance(process, Oscillating) and tokens.shape[-1] not in (2, 3):
+        raise ValueError(
+            f"process: Oscillating is defined for d in (2, 3), got d = {tokens.shape[-1]}"
+        )
+    steps = max(1, round(T / dt))
+    sigma = float(process.sigma)
+    P, _n, d = tokens.shape
+    H = weights.shape[1]
+    x, D = tokens.clone(), weights.clone()
+    kw = {"dtype": x.dtype, "device": x.device}
+    acc = {k: torch.zeros(P, **kw) for k in ("G", "D", "R", "M")}
+    names = ("energy", "energy_rate", "slope_sq", "dissipation", "int_slope_sq",
+             "int_dissipation", "int_energy_rate", "martingale")
+    rec = {k: [] for k in names}
+    times, pos, wts = [], [], []
+    record_at = set(range(0, steps + 1, record_every)) | {steps}
+    iterator = range(steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(iterator, desc=f"simulate H={H}", leave=False)
+    for k in iterator:
+        t = k * dt
+        last = k == steps
+        drift = process.drift(D, t)
+        noise = None
+        if not last and sigma > 0:
+            z = torch.randn(P, H, d, d, generator=generator, **kw)
+            noise = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
+        q = step_quantities(x, D, sign=sign, drift=drift, sigma=sigma, noise=noise,
+                            validate=False)
+        if k in record_at:
+            times.append(t)
+            for key, val in (("energy", q["energy"]), ("energy_rate", q["energy_rate"]),
+                             ("slope_sq", q["slope_sq"]), ("dissipation", q["dissipation"]),
+                             ("int_slope_sq", acc["G"]), ("int_dissipation", acc["D"]),
+                             ("int_energy_rate", acc["R"]), ("martingale", acc["M"])):
+                rec[key].append(val.clone())
+            if record_positions:
+                pos.append(x.clone())
+            if record_weights:
+                wts.append(D.clone())
+        if last:
+            break
+        acc["G"] += q["slope_sq"] * dt
+        acc["D"] += q["dissipation"] * dt
+        acc["R"] += q["energy_rate"] * dt
+        acc["M"] += q["martingale_increment"]
+        x = x + dt * q["velocity"]
+        x = x / x.norm(dim=-1, keepdim=True)
+        if drift is not None:
+            D = D + dt * drift
+        if noise is not None:
+            D = D + sigma * noise
+    out = {k: torch.stack(v) for k, v in rec.items()}
+    dE = out["energy"] - out["energy"][:1]
+    base = dE - out["int_energy_rate"] - out["martingale"]
+    return Trajectory(
+        times=torch.tensor(times, **kw),
+        positions=torch.stack(pos) if record_positions else None,
+        weights=torch.stack(wts) if record_weights else None,
+        residual_slope=base - sign * out["int_slope_sq"],
+        residual_dissipation=base + out["int_dissipation"],
+        final_tokens=x,
+        final_weights=D,
+        dt=dt,
+        sign=sign,
+        **out,
+    )
+
+
+# ---------------------------------------------------------------------- power-law fit
+@dataclass(frozen=True)
+class PowerLawFit:
+    """``values ≈ prefactor * H ** exponent`` with bootstrap percentile intervals."""
+
+    prefactor: float
+    exponent: float
+    exponent_ci: tuple[float, float] | None
+    prefactor_ci: tuple[float, float] | None
+    level: float
+    n_boot: int
+
+
+def _loglog_fit(logh: np.ndarray, logv: np.ndarray) -> tuple[float, float]:
+    X = np.stack([np.ones_like(logh), logh], 1)
+    (loga, b), *_ = np.linalg.lstsq(X, logv, rcond=None)
+    return float(np.exp(loga)), float(b)
+
+
+def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
+                  seed: int = 0) -> PowerLawFit:
+    """Least-squares fit of ``log v = log a + b log H`` with a bootstrap CI.
+
+    Parameters
+    ----------
+    H : sequence of k >= 2 distinct positive head counts.
+    values : ``[k]`` positive values, or ``[k, S]`` with ``S`` Monte Carlo samples per
+        ``H`` (e.g. per-path tail means). The fit uses the mean over samples; the CI
+        resamples the samples of each ``H`` independently with replacement (percentile
+        bootstrap). With 1-D values there is no sample to resample and the CIs are None.
+    n_boot : bootstrap replicates. level : confidence level in (0, 1). seed : numpy seed.
+
+    Returns
+    -------
+    :class:`PowerLawFit`. Complexity O(n_boot k S).
+    """
+    def as_array(a):  # torch tensors (any device) or array-likes, kept in float64
+        if isinstance(a, torch.Tensor):
+            a = a.detach().to("cpu", torch.float64).numpy()
+        return np.asarray(a, dtype=np.float64)
+
+    h = as_array(H).reshape(-1)
+    v = as_array(values)
+    if h.size < 2 or np.any(h <= 0) or np.unique(h).size != h.size:
+        raise ValueError(f"H: expected >= 2 distinct positive values, got {h.tolist()}")
+    if v.ndim not in (1, 2) or v.shape[0] != h.size:
+        raise ValueError(
+            f"values: expected shape [{h.size}] or [{h.size}, samples], got {v.shape}"
+        )
+    if np.any(~np.isfinite(v)) or np.any(v <= 0):
+        raise ValueError("values: expected finite positive numbers")
+    if not 0 < level < 1:
+        raise ValueError(f"level: expected a number in (0, 1), got {level}")
+    n_boot = _check_int("n_boot", n_boot, 1)
+    logh = np.log(h)
+    mean = v if v.ndim == 1 else v.mean(1)
+    a, b = _loglog_fit(logh, np.log(mean))
+    if v.ndim == 1 or v.shape[1] < 2:
+        return PowerLawFit(a, b, None, None, level, 0)
+    rng = np.random.default_rng(seed)
+    S = v.shape[1]
+    idx = rng.integers(0, S, size=(n_boot, h.size, S))
+    boot_means = np.take_along_axis(v[None], idx, axis=2).mean(-1)  # [n_boot, k]
+    X = np.stack([np.ones_like(logh), logh], 1)
+    coef, *_ = np.linalg.lstsq(X, np.log(boot_means).T, rcond=None)  # [2, n_boot]
+    q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
+    b_ci = tuple(float(c) for c in np.percentile(coef[1], q))
+    a_ci = tuple(float(c) for c in np.exp(np.percentile(coef[0], q)))
+    return PowerLawFit(a, b, b_ci, a_ci, level, n_boot)
+
+
+# ------------------------------------------------------------------- W2 and stability
+def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch.Tensor:
+    """Exact W_2 between two uniform empirical measures of equal size on the sphere.
+
+    ``W_2(x, y)^2 = min_sigma (1/n) sum_i c(x_i, y_sigma(i))^2`` over permutations
+    (for equal-size uniform measures an optimal plan is a permutation, Birkhoff), solved
+    with ``scipy.optimize.linear_sum_assignment``. ``cost="geodesic"``:
+    ``c = arccos <x, y>`` (great-circle distance); ``"chordal"``: ``c = |x - y|``.
+
+    Parameters
+    ----------
+    x, y : ``[..., n, d]`` with equal shapes; leading dimensions are a batch.
+
+    Returns
+    -------
+    Tensor of shape ``[...]`` on ``x``'s device (the assignment itself is solved on CPU
+    in float64). Complexity O(batch n^3).
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise TypeError("x, y: expected torch tensors")
+    if x.shape != y.shape or x.dim() < 2:
+        raise ValueError(
+            f"x, y: expected equal shapes [..., n, d], got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    if cost not in ("geodesic", "chordal"):
+        raise ValueError(f"cost: expected 'geodesic' or 'chordal', got {cost!r}")
+    xs = x.detach().to("cpu", torch.float64).reshape(-1, *x.shape[-2:]).numpy()
+    ys = y.detach().to("cpu", torch.float64).reshape(-1, *y.shape[-2:]).numpy()
+    out = np.empty(xs.shape[0])
+    for b in range(xs.shape[0]):  # scipy's assignment solver is not batched
+        inner = np.clip(xs[b] @ ys[b].T, -1.0, 1.0)
+        c2 = np.arccos(inner) ** 2 if cost == "geodesic" else np.maximum(2 - 2 * inner, 0)
+        r, c = linear_sum_assignment(c2)
+        out[b] = math.sqrt(c2[r, c].mean())
+    return torch.as_tensor(out, dtype=x.dtype).reshape(x.shape[:-2]).to(x.device)
+
+
+def _spectral_norms(weights: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.eigvalsh(weights).abs().amax(-1)
+
+
+def lipschitz_constant(weights: torch.Tensor) -> torch.Tensor:
+    """A Lipschitz constant of the velocity field in the max-over-tokens chordal metric.
+
+    For a head with ``lambda = ||D_h||_2`` the map ``(x_i, X) -> P_{x_i} D_h a_h(x_i; X)``
+    changes by at most ``lambda (2 + 3 lambda) max_j |x_j - y_j|``: the projection
+    contributes ``lambda`` (``|x x^T - y y^T| = sin angle <= |x - y|``), and the softmax
+    mean ``a`` is ``lambda``-Lipschitz in the query (its Jacobian is ``Cov_w D``) and
+    ``(1 + 2 lambda)``-Lipschitz in the keys (Jacobian ``w_j [I + (x_j - a)(D x)^T]``),
+    times ``|D_h| = lambda``. The velocity averages heads, so
+    ``L = (1/H) sum_h lambda_h (2 + 3 lambda_h)``.
+
+    weights ``[..., H, d, d]`` -> ``[...]``.
+    """
+    lam = _spectral_norms(weights)
+    return (lam * (2 + 3 * lam)).mean(-1)
+
+
+def weight_sensitivity(weights: torch.Tensor) -> torch.Tensor:
+    """``K`` with ``|v_D(x) - v_D'(x)| <= K max_h ||D_h - D'_h||_2``.
+
+    ``K = (1/H) sum_h (1 + lambda_h)`` with ``lambda_h = ||D_h||_2`` of ``D``.
+
+    (``|D a - D' a'| <= |D - D'| + lambda |a - a'|`` and the softmax mean moves by at most
+    ``sqrt(Var logits) <= |D - D'|``.) weights ``[..., H, d, d]`` -> ``[...]``.
+    """
+    return (1 + _spectral_norms(weights)).mean(-1)
+
+
+def gronwall_bound(times, lipschitz, initial_distance, forcing=None) -> torch.Tensor:
+    """Grönwall bound ``e(t) <= e^{int L} e(0) + int_0^t e^{int_s^t L} k(s) ds``.
+
+    ``times [R]``, ``lipschitz [R, ...]`` (L at each record), ``initial_distance [...]``,
+    ``forcing [R, ...]`` or None (the term ``K |D - D'|``). Integrals by the trapezoid
+    rule on the record grid. Returns ``[R, ...]``.
+    """
+    times = torch.as_tensor(times)
+    L = torch.as_tensor(lipschitz)
+    dt = torch.diff(times).reshape(-1, *([1] * (L.dim() - 1)))
+    cumL = torch.cat([torch.zeros_like(L[:1]), torch.cumsum(0.5 * (L[1:] + L[:-1]) * dt, 0)])
+    bound = torch.exp(cumL) * initial_distance
+    if forcing is not None:
+        k = torch.as_tensor(forcing)
+        # int_0^t e^{cumL(t) - cumL(s)} k(s) ds = e^{cumL(t)} int_0^t e^{-cumL(s)} k(s) ds
+        g = torch.exp(-cumL) * k
+        steps = torch.cumsum(0.5 * (g[1:] + g[:-1]) * dt, 0)
+        integral = torch.cat([torch.zeros_like(g[:1]), steps])
+        bound = bound + torch.exp(cumL) * integral
+    return bound
+
+
+def pairwise_inner_stats(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Min and mean of ``<x_i, x_j>`` over pairs ``i != j`` for tokens ``[..., n, d]``."""
+    g = tokens @ tokens.transpose(-1, -2)
+    n = tokens.shape[-2]
+    off = ~torch.eye(n, dtype=torch.bool, device=tokens.device)
+    vals = g[..., off]
+    return {"min": vals.amin(-1), "mean": vals.mean(-1)}

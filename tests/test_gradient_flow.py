@@ -1,0 +1,320 @@
+"""Tests for companion.gradient_flow against independent float64 references."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from companion import gradient_flow as gf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small problems: thread start-up costs more than it saves on a shared machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def reference_step(x, D, f, sigma, dW, dt, sign):
+    """Hand-written float64 loops over paths, heads, i, j: the paper's equations."""
+    P, n, d = x.shape
+    H = D.shape[1]
+    out = {k: np.zeros(P) for k in ("E", "rate", "G2", "diss", "dM")}
+    out["vel"] = np.zeros_like(x)
+    x_new = np.zeros_like(x)
+    for p in range(P):
+        U = np.zeros((H, n, n))
+        for h, i, j in itertools.product(range(H), range(n), range(n)):
+            U[h, i, j] = math.exp(x[p, i] @ D[p, h] @ x[p, j])
+        Z = U.sum(2) / n
+        vel = np.zeros((n, d))
+        grad = np.zeros((n, d))
+        for i in range(n):
+            proj = np.eye(d) - np.outer(x[p, i], x[p, i])
+            for h in range(H):
+                s = sum(U[h, i, j] * (D[p, h] @ x[p, j]) for j in range(n)) / n
+                vel[i] += sign * proj @ (s / Z[h, i]) / H
+                grad[i] += proj @ s / H  # Z_ih * (1/Z_ih) * s: the tangent gradient g_i
+        b = 1.0 / np.mean(1.0 / Z, axis=0)
+        out["vel"][p] = vel
+        out["E"][p] = U.sum() / (2 * H * n * n)
+        out["G2"][p] = np.mean(b * (vel**2).sum(1))
+        out["diss"][p] = -np.mean((grad * vel).sum(1))
+        rate = dm = 0.0
+        for h, i, j in itertools.product(range(H), range(n), range(n)):
+            xi, xj = x[p, i], x[p, j]
+            rate += U[h, i, j] * (xi @ f[p, h] @ xj + sigma**2 / 4 * (1 + (xi @ xj) ** 2))
+            dm += U[h, i, j] * (xi @ (sigma * dW[p, h]) @ xj)
+        out["rate"][p] = rate / (2 * H * n * n)
+        out["dM"][p] = dm / (2 * H * n * n)
+        y = x[p] + dt * vel
+        x_new[p] = y / np.linalg.norm(y, axis=1, keepdims=True)
+    return out, x_new
+
+
+@pytest.mark.parametrize("sign", [-1, 1])
+def test_one_step_matches_handwritten_reference(sign):
+    g = torch.Generator().manual_seed(1)
+    P, H, n, d, dt = 2, 3, 5, 3, 0.05
+    x = gf.uniform_sphere(n, d, g, paths=P)
+    D = gf.initial_weights(H, d, g, paths=P)
+    proc = gf.OrnsteinUhlenbeck(sigma2=2.0)
+    f = proc.drift(D, 0.0)
+    z = torch.randn(P, H, d, d, generator=g, dtype=torch.float64)
+    dW = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
+    q = gf.step_quantities(x, D, sign=sign, drift=f, sigma=proc.sigma, noise=dW)
+    ref, x_ref = reference_step(x.numpy(), D.numpy(), f.numpy(), proc.sigma, dW.numpy(), dt, sign)
+    np.testing.assert_allclose(q["energy"].numpy(), ref["E"], rtol=1e-12)
+    np.testing.assert_allclose(q["energy_rate"].numpy(), ref["rate"], rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(q["slope_sq"].numpy(), ref["G2"], rtol=1e-11)
+    np.testing.assert_allclose(q["dissipation"].numpy(), ref["diss"], rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(q["martingale_increment"].numpy(), ref["dM"], rtol=1e-11,
+                               atol=1e-13)
+    # One step of simulate is the projected Euler step of the reference.
+    traj = gf.simulate(x, D, gf.Frozen(), T=dt, dt=dt, sign=sign)
+    np.testing.assert_allclose(traj.positions[-1].numpy(), x_ref, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(gf.velocity(x, D, sign=sign).numpy(), ref["vel"], atol=1e-13)
+
+
+def test_chunked_fallback_matches_fused_kernel(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    x = gf.uniform_sphere(17, 3, g, paths=2)
+    D = gf.initial_weights(4, 3, g, paths=2)
+    fused = gf.step_quantities(x, D, sigma=1.0, drift=D)
+    monkeypatch.setattr(gf, "_FLASH_CPU", None)
+    # a small chunk budget forces several row chunks
+    orig = gf._softmax_moments
+    monkeypatch.setattr(gf, "_softmax_moments",
+                        lambda q, k, v: orig(q, k, v, max_chunk_elements=100))
+    chunked = gf.step_quantities(x, D, sigma=1.0, drift=D)
+    for key in ("velocity", "energy", "energy_rate", "slope_sq", "dissipation", "Z"):
+        torch.testing.assert_close(fused[key], chunked[key], rtol=1e-12, atol=1e-14)
+
+
+def test_velocity_is_tangent_and_tokens_stay_on_sphere():
+    g = torch.Generator().manual_seed(3)
+    x = gf.octahedral_tokens(30, paths=2, generator=g)
+    D = gf.initial_weights(5, 3, g, paths=2)
+    v = gf.velocity(x, D)
+    assert (v * x).sum(-1).abs().max() < 1e-13
+    traj = gf.simulate(x, D, gf.OrnsteinUhlenbeck(), T=1.0, dt=0.02, generator=g)
+    norms = traj.positions.norm(dim=-1)
+    assert (norms - 1).abs().max() < 1e-13
+    assert traj.positions.shape == (51, 2, 30, 3)
+
+
+def test_energy_decreases_for_frozen_single_head_descent():
+    g = torch.Generator().manual_seed(4)
+    x = gf.uniform_sphere(40, 3, g, paths=3)
+    D = gf.initial_weights(1, 3, g, paths=3)
+    traj = gf.simulate(x, D, gf.Frozen(), T=2.0, dt=0.005)
+    assert torch.all(torch.diff(traj.energy, dim=0) < 0)
+    assert torch.all(traj.dissipation > 0)
+    # for one head the harmonic-mean slope is the dissipation
+    torch.testing.assert_close(traj.slope_sq, traj.dissipation, rtol=1e-12, atol=0)
+
+
+def test_edi_residual_first_order_for_one_head():
+    g = torch.Generator().manual_seed(5)
+    x = gf.uniform_sphere(30, 3, g, paths=2)
+    D = gf.initial_weights(1, 3, g, paths=2)
+    res = [gf.simulate(x, D, gf.Frozen(), T=1.0, dt=dt, record_positions=False)
+           .residual_slope[-1].abs() for dt in (0.02, 0.01, 0.005)]
+    for coarse, fine in zip(res, res[1:]):
+        ratio = coarse / fine
+        assert torch.all((ratio > 1.8) & (ratio < 2.2)), ratio
+
+
+def test_multi_head_slope_residual_stalls_but_dissipation_closes():
+    g = torch.Generator().manual_seed(6)
+    x = gf.uniform_sphere(30, 3, g, paths=2)
+    D = gf.initial_weights(6, 3, g, paths=2)
+    runs = [gf.simulate(x, D, gf.Frozen(), T=1.0, dt=dt, record_positions=False)
+            for dt in (0.02, 0.01)]
+    slope = [r.residual_slope[-1] for r in runs]
+    diss = [r.residual_dissipation[-1].abs() for r in runs]
+    assert torch.all(slope[1] < 0) and torch.all((slope[1] / slope[0] - 1).abs() < 0.1)
+    assert torch.all(diss[0] / diss[1] > 1.8)
+    assert torch.all(runs[1].int_slope_sq[-1] <= runs[1].int_dissipation[-1])
+
+
+def test_martingale_has_zero_mean_and_ou_balance_is_first_order():
+    P = 400
+    means = []
+    for dt in (0.05, 0.025):
+        g = torch.Generator().manual_seed(7)
+        x = gf.uniform_sphere(8, 3, g, paths=P)
+        D = gf.initial_weights(2, 3, g, paths=P)
+        traj = gf.simulate(x, D, gf.OrnsteinUhlenbeck(), T=1.0, dt=dt, generator=g,
+                           record_positions=False)
+        m = traj.martingale[-1]
+        se = m.std() / math.sqrt(P)
+        assert m.std() > 0
+        assert m.mean().abs() <= 2 * se
+        means.append(traj.residual_dissipation[-1].mean())
+    # with Itô-corrected dE/dt the Monte Carlo mean of the residual is O(dt)
+    assert 1.6 < (means[0] / means[1]).item() < 2.4
+
+
+def test_ou_exponent_in_range_small():
+    g = torch.Generator().manual_seed(0)
+    heads = [1, 8, 64]
+    P, n = 6, 12
+    tails = []
+    for H in heads:
+        x = gf.octahedral_tokens(n, paths=P, generator=g)
+        D = gf.initial_weights(H, 3, g, paths=P)
+        traj = gf.simulate(x, D, gf.OrnsteinUhlenbeck(), T=8.0, dt=0.04, record_every=5,
+                           generator=g, record_positions=False)
+        tails.append(traj.slope_sq[traj.times >= 2.5].mean(0))
+    fit = gf.fit_power_law(heads, torch.stack(tails), n_boot=500)
+    assert -1.2 <= fit.exponent <= -0.8, fit
+    assert fit.exponent_ci[0] <= fit.exponent <= fit.exponent_ci[1]
+
+
+def test_fit_power_law_recovers_exact_law_and_ci():
+    H = [1, 10, 100]
+    fit = gf.fit_power_law(H, [3.0 * h**-0.7 for h in H])
+    assert abs(fit.exponent + 0.7) < 1e-12 and abs(fit.prefactor - 3.0) < 1e-12
+    assert fit.exponent_ci is None
+    rng = np.random.default_rng(0)
+    noisy = np.array([[2.0 * h**-1.0 * math.exp(rng.normal(0, 0.1)) for _ in range(50)]
+                      for h in H])
+    fit = gf.fit_power_law(H, noisy)
+    assert fit.exponent_ci[0] < -1.0 < fit.exponent_ci[1]
+    assert fit.exponent_ci[1] - fit.exponent_ci[0] < 0.1
+
+
+def test_w2_sphere_against_brute_force_permutations():
+    g = torch.Generator().manual_seed(8)
+    x = gf.uniform_sphere(6, 3, g)
+    y = gf.uniform_sphere(6, 3, g)
+    for cost in ("geodesic", "chordal"):
+        def c(a, b, cost=cost):
+            ip = float(np.clip(a @ b, -1, 1))
+            return math.acos(ip) if cost == "geodesic" else float(np.linalg.norm(a - b))
+        xn, yn = x.numpy(), y.numpy()
+        best = min(np.mean([c(xn[i], yn[s[i]]) ** 2 for i in range(6)])
+                   for s in itertools.permutations(range(6)))
+        assert abs(gf.w2_sphere(x, y, cost=cost).item() - math.sqrt(best)) < 1e-12
+    assert gf.w2_sphere(x, x[torch.randperm(6, generator=g)]).item() < 1e-6
+
+
+def test_sign_plus_clusters_and_minus_spreads():
+    g = torch.Generator().manual_seed(9)
+    n = 32
+    x = gf.uniform_sphere(n, 3, g, paths=1)
+    eye = torch.eye(3, dtype=torch.float64).expand(1, 1, 3, 3)
+    plus = gf.simulate(x, eye, gf.Frozen(), T=15, dt=0.1, sign=1, record_positions=False)
+    assert gf.pairwise_inner_stats(plus.final_tokens)["min"].item() > 0.999
+    minus = gf.simulate(x, eye, gf.Frozen(), T=15, dt=0.1, sign=-1, record_positions=False)
+    assert abs(gf.pairwise_inner_stats(minus.final_tokens)["mean"].item() + 1 / (n - 1)) < 5e-3
+
+
+def test_processes():
+    D = gf.initial_weights(4, 3, torch.Generator().manual_seed(1), paths=2)
+    ou = gf.OrnsteinUhlenbeck()
+    torch.testing.assert_close(ou.drift(D, 0.0), torch.eye(3, dtype=D.dtype) - D)
+    same = gf.Oscillating("identical").drift(D, 0.7) + D
+    assert torch.allclose(same, same[:, :1].expand_as(same))
+    assert torch.allclose(same[0, 0], gf.oscillating_target(torch.tensor(0.7, dtype=D.dtype), 3))
+    spread = gf.Oscillating("spread").drift(D, 0.7) + D
+    # head phases 2 pi h / H: the average over heads loses the first harmonic
+    mean = spread.mean(1)[0]
+    assert abs(mean[0, 0].item() - 2.0) < 1e-12 and abs(mean[0, 2].item()) < 1e-12
+    assert gf.Frozen().drift(D, 1.0) is None
+    assert torch.allclose(gf.oscillating_target(torch.tensor(0.3), 2),
+                          gf.oscillating_target(torch.tensor(0.3), 2).T)
+
+
+def test_octahedral_tokens():
+    x = gf.octahedral_tokens(12, noise=0.0)
+    assert x.shape == (12, 3) and x.dtype == torch.float64
+    assert torch.equal(x[0], torch.tensor([1.0, 0, 0], dtype=torch.float64))
+    assert torch.equal(x[1], torch.tensor([-1.0, 0, 0], dtype=torch.float64))
+    assert torch.equal(x[6], x[0])
+    y = gf.octahedral_tokens(200, paths=3, generator=torch.Generator().manual_seed(0))
+    assert y.shape == (3, 200, 3) and (y.norm(dim=-1) - 1).abs().max() < 1e-14
+
+
+def test_gronwall_bound_is_respected_for_token_perturbation():
+    g = torch.Generator().manual_seed(10)
+    x = gf.uniform_sphere(20, 3, g, paths=1)
+    D = gf.initial_weights(3, 3, g, paths=1)
+    y = x + 1e-4 * torch.randn(x.shape, generator=g, dtype=x.dtype)
+    y = y / y.norm(dim=-1, keepdim=True)
+    a = gf.simulate(x, D, gf.Frozen(), T=0.5, dt=0.005, record_every=10, record_weights=True)
+    b = gf.simulate(y, D, gf.Frozen(), T=0.5, dt=0.005, record_every=10)
+    sup = (a.positions - b.positions).norm(dim=-1).amax(-1)[:, 0]
+    bound = gf.gronwall_bound(a.times, gf.lipschitz_constant(a.weights)[:, 0], sup[0])
+    assert torch.all(sup <= bound * (1 + 1e-9))
+    assert torch.all(gf.w2_sphere(a.positions[:, 0], b.positions[:, 0], cost="chordal")
+                     <= sup + 1e-12)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x, D: gf.velocity(torch.ones(1, 4, 1, dtype=torch.float64),
+                                  torch.ones(1, 1, 1, 1, dtype=torch.float64)), "d >= 2"),
+        (lambda x, D: gf.velocity(x, D + torch.triu(torch.ones_like(D), 1)), "symmetric"),
+        (lambda x, D: gf.simulate(x, D, gf.Frozen(), T=1.0, dt=0.0), "dt"),
+        (lambda x, D: gf.simulate(x, D, gf.Frozen(), T=1.0, dt=-0.1), "dt"),
+        (lambda x, D: gf.simulate(x, D, gf.Frozen(), T=-1.0, dt=0.1), "T"),
+        (lambda x, D: gf.velocity(2 * x, D), "unit vectors"),
+        (lambda x, D: gf.velocity(x[0], D), "tokens"),
+        (lambda x, D: gf.velocity(x, D[:, :, :2]), "weights"),
+        (lambda x, D: gf.velocity(x, D, sign=0), "sign"),
+        (lambda x, D: gf.simulate(x, D, gf.Frozen(), T=1.0, dt=0.1, record_every=0),
+         "record_every"),
+        (lambda x, D: gf.uniform_sphere(4, 1), "d"),
+        (lambda x, D: gf.Oscillating("random"), "phases"),
+        (lambda x, D: gf.fit_power_law([1, 1], [1.0, 2.0]), "H"),
+        (lambda x, D: gf.w2_sphere(x[0], x[0, :3]), "x, y"),
+    ],
+)
+def test_bad_input_raises_clear_errors(call, match):
+    g = torch.Generator().manual_seed(0)
+    x = gf.uniform_sphere(5, 3, g, paths=1)
+    D = gf.initial_weights(2, 3, g, paths=1)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(x, D)
+
+
+def test_simulate_rejects_unknown_process():
+    x = gf.uniform_sphere(5, 3, paths=1)
+    D = gf.initial_weights(2, 3, paths=1)
+    with pytest.raises(TypeError, match="process"):
+        gf.simulate(x, D, "ou", T=1.0, dt=0.1)
+
+
+CHAPTER = ROOT / "chapters" / "gradient_flow.md"
+
+
+@pytest.mark.skipif(
+    not CHAPTER.exists() or importlib.util.find_spec("companion.provenance") is None
+    or shutil.which("jupytext", path=str(Path(sys.executable).parent)) is None,
+    reason="chapter, provenance or jupytext not available",
+)
+def test_chapter_runs_at_smoke_scale(tmp_path):
+    bindir = Path(sys.executable).parent
+    nb = tmp_path / "gradient_flow.ipynb"
+    subprocess.run([str(bindir / "jupytext"), "--to", "ipynb", "-o", str(nb), str(CHAPTER)],
+                   check=True, capture_output=True)
+    import papermill
+
+    papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"),
+                               parameters={"scale": "smoke", "device": "cpu"},
+                               cwd=str(ROOT), progress_bar=False)
