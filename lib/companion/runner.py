@@ -439,7 +439,8 @@ def run_chapter(
             try:
                 pm.execute_notebook(
                     str(input_nb), str(output_nb), parameters=params, kernel_name="python3",
-                    log_output=False, progress_bar=False, stdout_file=log, stderr_file=log,
+                    log_output=False, progress_bar=sys.stderr.isatty(),
+                    stdout_file=log, stderr_file=log,
                     cwd=str(project.root),
                 )
             except pm.PapermillExecutionError as exc:
@@ -545,8 +546,13 @@ def run_many(project: Project, names: list[str], *, scale: str | None, device: s
     pending = list(names)
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     results: list[RunResult] = []
+    last_beat = time.time()
     try:
         while pending or running:
+            if running and time.time() - last_beat >= 60:
+                last_beat = time.time()
+                echo("[running] " + ", ".join(f"{n} {time.time() - t0:.0f}s"
+                                               for n, (_, t0) in running.items()))
             while pending and len(running) < jobs:
                 name = pending.pop(0)
                 cmd = [sys.executable, "-m", "companion", "run", name, "--root", str(project.root),
