@@ -1,0 +1,360 @@
+"""Tests of companion.sbm / companion.edge_attention against independent references:
+closed forms (E[A] = Qhat S Khat^T, the STE gradient), dense float64 softmax attention,
+torch SDPA, the dense masked formulation, and torch.autograd.gradcheck.
+
+Every test takes a ``device``; CUDA variants are skipped without a GPU
+(benchmarks/gpu_check_sbm.py runs them on a lent GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from companion.sbm import (
+    SBMAttention,
+    dense_masked_attention,
+    density_regularizer,
+    edge_attention,
+    edge_probabilities,
+    fastrg_sample,
+    sbm_parameters,
+)
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+F64 = torch.float64
+
+
+def _random_sbm(n, m, k, *, heads=None, seed=0, device="cpu", scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    lead = () if heads is None else (1, heads)
+    qm = torch.rand(*lead, n, k, generator=g, dtype=F64) * scale
+    km = torch.rand(*lead, m, k, generator=g, dtype=F64)
+    s_shape = (k, k) if heads is None else (heads, k, k)
+    s = torch.softmax(torch.randn(*s_shape[:-2], k * k, generator=g, dtype=F64), -1).reshape(
+        s_shape
+    )
+    return qm.to(device), s.to(device), km.to(device)
+
+
+def _complete_graph(groups, n, m, device):
+    g, i, j = torch.meshgrid(
+        torch.arange(groups, device=device),
+        torch.arange(n, device=device),
+        torch.arange(m, device=device),
+        indexing="ij",
+    )
+    return g.reshape(-1), i.reshape(-1), j.reshape(-1)
+
+
+def _dense_count(edges, groups, n, m):
+    g, i, j = edges
+    flat = (g * n + i) * m + j
+    return torch.bincount(flat, minlength=groups * n * m).reshape(groups, n, m)
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+# ---------------------------------------------------------------------------------------
+def test_sbm_parameters_closed_form():
+    torch.manual_seed(0)
+    B, H, n, m, d, k = 2, 3, 7, 5, 4, 6
+    q, kk = torch.randn(B, H, n, d, dtype=F64), torch.randn(B, H, m, d, dtype=F64)
+    c = torch.randn(H, k, d, dtype=F64)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)
+    ).double()
+    qm, s, km = sbm_parameters(q, kk, c, mlp)
+    assert qm.shape == (B, H, n, k) and km.shape == (B, H, m, k) and s.shape == (H, k, k)
+    for h in range(H):
+        gram = c[h] @ c[h].T
+        expect = torch.exp(gram) / torch.exp(gram).sum()
+        torch.testing.assert_close(s[h], expect)
+        torch.testing.assert_close(qm[1, h], 1 / (1 + torch.exp(-(mlp(q[1, h]) @ c[h].T))))
+    p = edge_probabilities(qm, s, km)
+    assert p.shape == (B, H, n, m)
+    torch.testing.assert_close(p, torch.einsum("zhia,hac,zhjc->zhij", qm, s, km))
+    assert float(p.min()) >= 0 and float(p.max()) <= 1
+
+
+# ---------------------------------------------------------------------------------------
+# fastRG sampler
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_fastrg_multigraph_mean_is_P(device):
+    """Monte Carlo: E[#edges] = sum P and E[A] = Qhat S Khat^T within 5 standard errors,
+    per entry, for two heads with different parameters, in one batched call."""
+    n, m, k, heads, reps = 6, 5, 3, 2, 20000
+    qm, s, km = _random_sbm(n, m, k, heads=heads, seed=1, device=device)
+    p = edge_probabilities(qm, s, km)[0]  # [H, n, m]
+    gen = torch.Generator(device=device).manual_seed(2)
+    edges = fastrg_sample(
+        qm.expand(reps, heads, n, k), s, km.expand(reps, heads, m, k), gen, duplicates="keep"
+    )
+    counts = _dense_count(edges, reps * heads, n, m).reshape(reps, heads, n, m).to(F64)
+    mean_a = counts.mean(0)
+    # Poisson counts: Var = P per entry
+    z = (mean_a - p) / (p / reps).sqrt()
+    assert float(z.abs().max()) < 5, float(z.abs().max())
+    totals = counts.sum((2, 3))
+    z_total = (totals.mean(0) - p.sum((1, 2))) / (p.sum((1, 2)) / reps).sqrt()
+    assert float(z_total.abs().max()) < 5
+    # edges of one group come contiguous and in group order
+    assert bool((edges[0][1:] >= edges[0][:-1]).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fastrg_merge_policy(device):
+    """ "merge": no repeated pair, sorted by (group, query, key), Pr[A_ij] = 1 - exp(-P_ij)."""
+    n, m, k, reps = 5, 6, 4, 20000
+    qm, s, km = _random_sbm(n, m, k, seed=3, device=device, scale=2.0)
+    p = edge_probabilities(qm, s, km)
+    assert float(p.max()) > 0.5  # duplicates are frequent, so the policy matters
+    gen = torch.Generator(device=device).manual_seed(4)
+    edges = fastrg_sample(
+        qm.expand(reps, 1, n, k), s.expand(1, k, k), km.expand(reps, 1, m, k), gen
+    )
+    code = (edges[0] * n + edges[1]) * m + edges[2]
+    assert bool((code[1:] > code[:-1]).all())  # strictly increasing: sorted and unique
+    freq = _dense_count(edges, reps, n, m).to(F64).mean(0)
+    expect = 1 - torch.exp(-p)
+    z = (freq - expect) / (expect * (1 - expect) / reps).sqrt()
+    assert float(z.abs().max()) < 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fastrg_batched_s_per_batch_and_zero_mass(device):
+    """s given per batch element; queries/keys/clusters with zero mass are never drawn."""
+    B, H, n, m, k = 3, 2, 8, 7, 4
+    g = torch.Generator().manual_seed(5)
+    qm = torch.rand(B, H, n, k, generator=g, dtype=F64)
+    km = torch.rand(B, H, m, k, generator=g, dtype=F64)
+    s = torch.rand(B, H, k, k, generator=g, dtype=F64)
+    qm[:, :, 2] = 0  # query 2 has no membership
+    km[..., 6, :] = 0  # key 6 neither
+    s[1, 0] = 0  # group 2 has no edge probability at all
+    qm, km, s = qm.to(device), km.to(device), s.to(device)
+    gen = torch.Generator(device=device).manual_seed(6)
+    group, query, key = fastrg_sample(qm * 3, s, km * 3, gen, duplicates="keep")
+    assert group.dtype == query.dtype == key.dtype == torch.int64
+    assert group.numel() > 100
+    assert not bool((query == 2).any()) and not bool((key == 6).any())
+    assert not bool((group == 2).any())
+    assert int(group.max()) < B * H and int(query.max()) < n and int(key.max()) < m
+
+
+def test_fastrg_reproducible_and_no_dense_intermediate():
+    """Same generator seed, same graph.  n = m = 200k (a dense P would need 320 GB) runs
+    in well under a second with about 2000 edges: nothing n x m is formed."""
+    n, k = 200_000, 4
+    qm, s, km = _random_sbm(n, n, k, seed=7)
+    total = qm.sum(0) @ s @ km.sum(0)  # sum P without forming P
+    qm = qm * (2000 / total)  # E[#edges] = 2000
+    a = fastrg_sample(qm, s, km, torch.Generator().manual_seed(8))
+    b = fastrg_sample(qm, s, km, torch.Generator().manual_seed(8))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert 2000 - 5 * math.sqrt(2000) < a[0].numel() < 2000 + 5 * math.sqrt(2000)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fastrg_self_loops_give_every_query_an_edge(device):
+    n, k = 40, 3
+    qm, s, km = _random_sbm(n, n, k, seed=9, device=device, scale=0.01)  # very sparse
+    gen = torch.Generator(device=device).manual_seed(10)
+    group, query, key = fastrg_sample(qm, s, km, gen, self_loops=True)
+    loops = query[query == key]
+    assert torch.equal(torch.unique(loops), torch.arange(n, device=device))
+    assert loops.numel() == n  # merged: each loop once
+    with pytest.raises(ValueError, match="self_loops"):
+        fastrg_sample(qm, s, km[:-1], gen, self_loops=True)
+
+
+def test_fastrg_bad_input():
+    qm, s, km = _random_sbm(4, 5, 3)
+    with pytest.raises(ValueError, match="q_membership"):
+        fastrg_sample(-qm, s, km)
+    bad = km.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="k_membership"):
+        fastrg_sample(qm, s, bad)
+    with pytest.raises(ValueError, match="cluster counts"):
+        fastrg_sample(qm, s, km[:, :2])
+    with pytest.raises(ValueError, match="empty sequence"):
+        fastrg_sample(qm[:0], s, km)
+    with pytest.raises(ValueError, match="duplicates"):
+        fastrg_sample(qm, s, km, duplicates="drop")
+    with pytest.raises(ValueError, match="s: expected"):
+        fastrg_sample(qm[None, None], s[None, None, None], km[None, None])
+    with pytest.raises(TypeError, match="floating-point"):
+        fastrg_sample(qm.long(), s, km)
+    with pytest.raises(ValueError, match="q, k"):
+        sbm_parameters(torch.randn(3, 4), torch.randn(3, 5), torch.randn(2, 4), lambda x: x)
+    with pytest.raises(ValueError, match="empty"):
+        sbm_parameters(torch.randn(0, 4), torch.randn(3, 4), torch.randn(2, 4), lambda x: x)
+
+
+# ---------------------------------------------------------------------------------------
+# edge attention
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_edge_attention_complete_graph_equals_softmax_attention(device):
+    torch.manual_seed(11)
+    B, H, n, m, d = 2, 3, 9, 7, 5
+    q, k = torch.randn(B, H, n, d, dtype=F64), torch.randn(B, H, m, d, dtype=F64)
+    v = torch.randn(B, H, m, 4, dtype=F64)
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    edges = _complete_graph(B * H, n, m, device)
+    perm = torch.randperm(edges[0].numel(), device=device)  # order must not matter
+    edges = tuple(e[perm] for e in edges)
+    out = edge_attention(q, k, v, edges, chunk_size=17)
+    ref = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1) @ v
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    weight = torch.randn_like(out)
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    expect = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for a, b in zip(got, expect):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # peer library: torch SDPA in float32
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    out32 = edge_attention(q.float(), k.float(), v.float(), edges)
+    torch.testing.assert_close(out32, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_edge_attention_gradcheck_weights_duplicates_empty_rows():
+    torch.manual_seed(12)
+    G, n, m, d = 2, 4, 3, 3
+    q = torch.randn(G, n, d, dtype=F64, requires_grad=True)
+    k = torch.randn(G, m, d, dtype=F64, requires_grad=True)
+    v = torch.randn(G, m, 2, dtype=F64, requires_grad=True)
+    group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 0, 1])
+    query = torch.tensor([0, 0, 1, 3, 0, 2, 2, 0, 3])  # query 2 of group 0 has no edge
+    key = torch.tensor([1, 1, 2, 0, 0, 1, 2, 0, 2])  # (0, 0, 1) appears twice
+    w = torch.rand(group.numel(), dtype=F64).add_(0.2).requires_grad_()
+    edges = (group, query, key)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, w: edge_attention(q, k, v, edges, edge_weight=w, chunk_size=4), (q, k, v, w)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_edge_attention_equals_dense_masked_on_random_masks(device):
+    torch.manual_seed(13)
+    B, H, n, m, d = 2, 2, 12, 10, 6
+    q, k, v = (
+        torch.randn(B, H, L, d, dtype=F64, device=device).requires_grad_() for L in (n, m, m)
+    )
+    for density in (0.05, 0.3, 0.9):
+        mask = torch.rand(B, H, n, m, device=device) < density
+        g, i, j = mask.reshape(B * H, n, m).nonzero(as_tuple=True)
+        out = edge_attention(q, k, v, (g, i, j), chunk_size=13)
+        ref = dense_masked_attention(q, k, v, mask)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+        weight = torch.randn_like(out)
+        for a, b in zip(
+            torch.autograd.grad((out * weight).sum(), (q, k, v)),
+            torch.autograd.grad((ref * weight).sum(), (q, k, v)),
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    # a multigraph counts each copy: equal to the dense formulation with a count mask
+    qm, s, km = _random_sbm(n, m, 3, heads=H, seed=14, device=device, scale=3.0)
+    edges = fastrg_sample(
+        qm.expand(B, H, n, 3),
+        s,
+        km.expand(B, H, m, 3),
+        torch.Generator(device=device).manual_seed(15),
+        duplicates="keep",
+    )
+    counts = _dense_count(edges, B * H, n, m).reshape(B, H, n, m)
+    assert int(counts.max()) > 1
+    torch.testing.assert_close(
+        edge_attention(q, k, v, edges), dense_masked_attention(q, k, v, counts.to(F64))
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_edge_attention_empty_rows_and_large_scores_are_finite(device):
+    torch.manual_seed(16)
+    n, m, d = 6, 5, 4
+    q = (1e3 * torch.randn(1, 1, n, d, device=device)).requires_grad_()  # scores ~ 1e6
+    k = torch.randn(1, 1, m, d, device=device).requires_grad_()
+    v = torch.randn(1, 1, m, d, device=device).requires_grad_()
+    group = torch.zeros(4, dtype=torch.int64, device=device)
+    query = torch.tensor([0, 0, 3, 3], device=device)
+    key = torch.tensor([1, 4, 0, 2], device=device)
+    out = edge_attention(q, k, v, (group, query, key))
+    assert bool(torch.isfinite(out).all())
+    empty = torch.tensor([1, 2, 4, 5], device=device)
+    assert bool((out[0, 0, empty] == 0).all())
+    ref = torch.softmax(
+        (q @ k.transpose(-1, -2) / 2)
+        .double()
+        .masked_fill(
+            ~_dense_count((group, query, key), 1, n, m).bool().reshape(1, 1, n, m), -math.inf
+        ),
+        -1,
+    )
+    ref = torch.nan_to_num(ref) @ v.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+    assert bool((q.grad[0, 0, empty] == 0).all())
+    # no edge at all
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    out0 = edge_attention(q, k, v, (none, none, none))
+    assert bool((out0 == 0).all())
+
+
+def test_edge_attention_keeps_a_few_numbers_per_edge_for_backward():
+    """Memory O(E + n d): what autograd keeps between forward and backward, besides the
+    inputs and the edge list, is one number per edge plus the output."""
+    torch.manual_seed(17)
+    G, n, m, d = 2, 300, 300, 32
+    q, k, v = (torch.randn(G, L, d, requires_grad=True) for L in (n, m, m))
+    qm, s, km = _random_sbm(n, m, 4, heads=G, seed=18, scale=0.3)
+    edges = fastrg_sample(qm, s, km, torch.Generator().manual_seed(19))
+    group = edges[0]
+    num_edges = group.numel()
+    assert num_edges > 10 * n
+    inputs = {t.data_ptr() for t in (q, k, v, *edges)}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in inputs:
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = edge_attention(q, k, v, edges)
+    assert sum(saved) <= num_edges + out.numel()
+    out.sum().backward()
+
+
+def test_edge_attention_bad_input():
+    q = torch.randn(1, 1, 4, 3)
+    kv = torch.randn(1, 1, 5, 3)
+    e = (torch.zeros(2, dtype=torch.int64), torch.tensor([0, 3]), torch.tensor([1, 4]))
+    edge_attention(q, kv, kv, e)
+    with pytest.raises(ValueError, match="edges\\[key\\]"):
+        edge_attention(q, kv, kv, (e[0], e[1], torch.tensor([1, 5])))
+    with pytest.raises(ValueError, match="edges\\[group\\]"):
+        edge_attention(q, kv, kv, (torch.tensor([0, 1]), e[1], e[2]))
+    with pytest.raises(TypeError, match="int64"):
+        edge_attention(q, kv, kv, (e[0], e[1].int(), e[2]))
+    with pytest.raises(ValueError, match="equal lengths"):
+        edge_attention(q, kv, kv, (e[0], e[1][:1], e[2]))
+    with pytest.raises(ValueError, match="q, k, v"):
+        edge_attention(q, torch.randn(1, 1, 5, 2), kv, e)
+    with pytest.raises(ValueError, match="empty"):
+        edge_attention(q[:, :, :0], kv, kv, e)
+    with pytest.raises(ValueError, match="edge_weight"):
+        edge_attention(q, kv, kv, e, edge_weight=torch.ones(3))
+    with pytest.raises(ValueError, match="mask"):
+        dense_masked_attention(q, kv, kv, torch.ones(4, 4, dtype=torch.bool))
