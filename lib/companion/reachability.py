@@ -1,0 +1,665 @@
+"""Information flow of a multi-layer masked transformer: layer graphs, ``A^L``, limits,
+condensation and Hasse diagrams :cite:`li2026hasse`.
+
+Definitions
+-----------
+One transformer layer is a bipartite graph from input positions to output positions with
+an edge ``k -> q`` when query ``q`` may attend key ``k`` (``mask[q, k]``) or ``k == q``
+(the residual connection; feed-forward and LayerNorm act position-wise and add no edge).
+Its adjacency is ``A = mask OR I`` (:func:`layer_adjacency`). After ``L`` layers output
+``q`` depends on input ``k`` exactly when ``R^(L)[q, k] = (A^L)[q, k]`` in Boolean
+arithmetic (:func:`reachability`). Because ``A`` is reflexive ``R^(L)`` grows with ``L``
+and is constant from some ``L*`` on: the limit ``R`` is the reflexive transitive closure
+of the mask graph and ``L*`` (the *depth*) is the largest shortest-path distance between
+two positions that reach each other (:func:`reachability_limit`). ``R`` is a preorder;
+its classes of mutually reachable positions (strongly connected components) are
+partially ordered, and the Hasse diagram of that order (:func:`hasse_diagram`) is the
+information-flow structure of any deep enough transformer with this mask.
+
+Matrix convention: ``R[q, k] = True`` means information flows from position ``k`` to
+position ``q`` (row = receiver, like the mask). Hasse edges point the way information
+flows: from the class that is attended to the class that attends.
+
+Algorithms
+----------
+``method="bitset"`` (CPU, the default for CPU tensors) works on bit-packed rows:
+
+1. strongly connected components (none to compute when the mask is lower triangular,
+   otherwise ``scipy.sparse.csgraph.connected_components``) and a topological order of
+   the classes;
+2. closure and transitive reduction in one sweep over the classes in topological order:
+   for class ``c`` take its highest-ranked in-neighbour ``u`` not yet known to reach
+   ``c``; the edge ``u -> c`` is a covering edge, so ``reach[c] |= reach[u]``; repeat
+   until every in-neighbour is known. Cost ``O((C + H) * C / 64)`` word operations for
+   ``C`` classes and ``H`` Hasse edges, plus one pass over the mask;
+3. depth: ``0`` if ``R = I``, ``1`` if ``A = R`` (dense masks: one comparison, no product),
+   otherwise breadth-first search from blocks of 256 sources at once (each node carries
+   a 256-bit word of "reached by source s"), cost ``O(n/256 * sum_levels frontier edges)``.
+
+``method="matmul"`` (any device, the default for CUDA tensors) squares ``A`` repeatedly
+with float matrix products on the mask's device (exact for ``n < 2**24``), finds the
+depth by binary lifting over the stored powers, and reduces the class order with one more
+product (``covers = S AND NOT S^2`` for the strict order ``S``). Cost
+``O(n^3 log n)`` flops.
+
+Both methods number the Hasse nodes identically: by the number of classes at or below the
+class, then by the smallest member (a topological order; the natural order for masks
+whose positions are already topologically ordered).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import networkx as nx
+import numpy as np
+import torch
+
+from companion.masks import validate_mask
+
+__all__ = [
+    "OrderStructure",
+    "draw_hasse",
+    "draw_mask",
+    "format_members",
+    "hasse_diagram",
+    "hasse_layout",
+    "layer_adjacency",
+    "order_structure",
+    "reachability",
+    "reachability_limit",
+    "reachability_sequence",
+    "tokens_reached",
+]
+
+_METHODS = ("auto", "bitset", "matmul")
+
+
+# ------------------------------------------------------------------ basic operators
+def layer_adjacency(mask: torch.Tensor) -> torch.Tensor:
+    """Adjacency of one layer: ``A = mask OR I`` (the identity is the residual connection).
+
+    Parameters
+    ----------
+    mask : (n, n) bool tensor, ``mask[q, k]`` = query ``q`` may attend key ``k``.
+
+    Returns
+    -------
+    (n, n) bool tensor on ``mask.device``.
+    """
+    validate_mask(mask)
+    eye = torch.eye(mask.shape[0], dtype=torch.bool, device=mask.device)
+    return mask | eye
+
+
+def _bool_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Boolean matrix product on the tensors' device (float32 is exact for n < 2**24)."""
+    return (x.to(torch.float32) @ y.to(torch.float32)) > 0
+
+
+def reachability(mask: torch.Tensor, layers: int) -> torch.Tensor:
+    """Dependency pattern of ``layers`` stacked layers: Boolean ``A^layers``.
+
+    Parameters
+    ----------
+    mask : (n, n) bool tensor.
+    layers : int >= 0. ``A^0 = I``.
+
+    Returns
+    -------
+    (n, n) bool tensor ``R`` on ``mask.device``; ``R[q, k]`` = output ``q`` depends on
+    input ``k`` after ``layers`` layers.
+
+    Complexity: ``O(n^3 log(layers))`` flops by repeated squaring (stops early once the
+    powers are stable).
+    """
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise ValueError(f"layers: expected an int >= 0, got {layers!r}")
+    adj = layer_adjacency(mask)
+    result = torch.eye(adj.shape[0], dtype=torch.bool, device=adj.device)
+    power = adj  # A^(2^j)
+    remaining = layers
+    while remaining:
+        if remaining & 1:
+            result = _bool_product(result, power)
+        remaining >>= 1
+        if remaining:
+            squared = _bool_product(power, power)
+            if torch.equal(squared, power):
+                # A^(2^j) is already the limit and layers >= 2^(j+1): A^layers is the limit.
+                return power
+            power = squared
+    return result
+
+
+def reachability_sequence(mask: torch.Tensor, max_layers: int | None = None) -> list[torch.Tensor]:
+    """``[A^1, A^2, ..., A^L*]``: the dependency patterns layer by layer until stable.
+
+    The last entry is the limit ``R`` (it is repeated nowhere). With ``max_layers`` the
+    list stops after that many layers even if not yet stable. Intended for drawing
+    (small ``n``): one product per layer.
+    """
+    adj = layer_adjacency(mask)
+    if max_layers is not None and (not isinstance(max_layers, int) or max_layers < 1):
+        raise ValueError(f"max_layers: expected an int >= 1 or None, got {max_layers!r}")
+    seq = [adj]
+    while max_layers is None or len(seq) < max_layers:
+        nxt = _bool_product(seq[-1], adj)
+        if torch.equal(nxt, seq[-1]):
+            break
+        seq.append(nxt)
+    return seq
+
+
+# --------------------------------------------------------------- bit-packed helpers
+def _pack_rows(rows: np.ndarray) -> np.ndarray:
+    """Pack a (m, n) bool array into (m, ceil(n/64)) uint64, bit j of row = column j."""
+    m, n = rows.shape
+    words = (n + 63) // 64
+    packed = np.packbits(rows, axis=1, bitorder="little")
+    pad = words * 8 - packed.shape[1]
+    if pad:
+        packed = np.pad(packed, ((0, 0), (0, pad)))
+    return np.ascontiguousarray(packed).view("<u8").reshape(m, words)
+
+
+def _unpack_rows(packed: np.ndarray, n: int) -> np.ndarray:
+    bytes_ = np.ascontiguousarray(packed).view(np.uint8).reshape(packed.shape[0], -1)
+    return np.unpackbits(bytes_, axis=1, count=n, bitorder="little").astype(bool)
+
+
+def _popcount_rows(packed: np.ndarray) -> np.ndarray:
+    return np.bitwise_count(packed).sum(axis=1, dtype=np.int64)
+
+
+class _Closure(NamedTuple):
+    labels: np.ndarray  # class id of each position (ids in the canonical order)
+    reach: list  # reach[c]: Python int bitset of the classes at or below class c
+    covers: np.ndarray  # (H, 2) int64: (lower class, upper class) covering pairs
+    packed: np.ndarray  # (n, words) uint64: A = mask | I, bit k of row q = A[q, k]
+    triangular: bool
+
+
+def _edges_from_packed(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, k) pairs with A[q, k] from packed rows; cost O(n * words + nnz)."""
+    rows, wcol = np.nonzero(packed)
+    values = packed[rows, wcol]
+    bits = np.unpackbits(values.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
+    r_idx, b_idx = np.nonzero(bits)
+    return rows[r_idx].astype(np.int64), wcol[r_idx].astype(np.int64) * 64 + b_idx
+
+
+def _is_lower_triangular(packed: np.ndarray) -> bool:
+    """True when no row q has a bit k > q (only forward edges k -> q with k <= q)."""
+    n, words = packed.shape
+    q = np.arange(n)
+    qw = q >> 6
+    beyond = (np.arange(words)[None, :] > qw[:, None]) & (packed != 0)
+    if beyond.any():
+        return False
+    own = packed[q, qw]
+    shift = (q & 63).astype(np.uint64)
+    return not ((own >> shift) >> np.uint64(1)).any()
+
+
+def _ints_from_packed(packed: np.ndarray) -> list[int]:
+    raw = np.ascontiguousarray(packed).astype("<u8", copy=False).tobytes()
+    step = packed.shape[1] * 8
+    return [int.from_bytes(raw[i : i + step], "little") for i in range(0, len(raw), step)]
+
+
+def _packed_from_ints(values: list[int], n_bits: int) -> np.ndarray:
+    words = (n_bits + 63) // 64
+    raw = b"".join(v.to_bytes(words * 8, "little") for v in values)
+    return np.frombuffer(raw, dtype="<u8").reshape(len(values), words).astype(np.uint64)
+
+
+def _topological_class_order(n_classes: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Kahn's algorithm by generations (vectorised per generation); returns class ids
+    in a topological order."""
+    order_edges = np.argsort(src, kind="stable")
+    dst_s = dst[order_edges]
+    indptr = np.concatenate(([0], np.cumsum(np.bincount(src, minlength=n_classes))))
+    indeg = np.bincount(dst, minlength=n_classes)
+    frontier = np.flatnonzero(indeg == 0)
+    out = []
+    while frontier.size:
+        out.append(frontier)
+        starts = indptr[frontier]
+        counts = indptr[frontier + 1] - starts
+        total = int(counts.sum())
+        if total == 0:
+            break
+        idx = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)
+        targets = dst_s[idx]
+        np.subtract.at(indeg, targets, 1)
+        touched = np.unique(targets)
+        frontier = touched[indeg[touched] == 0]
+    order = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    if order.size != n_classes:  # pragma: no cover - a condensation is always acyclic
+        raise RuntimeError("condensation is not acyclic")
+    return order
+
+
+def _closure_bitset(mask: torch.Tensor) -> _Closure:
+    if mask.device.type != "cpu":
+        raise ValueError(
+            f"mask: method='bitset' runs on the CPU, got a tensor on {mask.device}; "
+            "pass mask.cpu() or use method='matmul'"
+        )
+    n = mask.shape[0]
+    packed = _pack_rows(mask.numpy())
+    diag = np.arange(n)
+    packed[diag, diag >> 6] |= np.left_shift(np.uint64(1), (diag & 63).astype(np.uint64))
+    triangular = _is_lower_triangular(packed)
+    if triangular:
+        # Every edge goes from a lower to a higher position: positions are the classes
+        # and their natural order is topological.
+        n_classes = n
+        labels = np.arange(n)
+        adj = _ints_from_packed(packed)
+    else:
+        from scipy.sparse import coo_matrix
+        from scipy.sparse.csgraph import connected_components
+
+        rows, cols = _edges_from_packed(packed)
+        graph = coo_matrix(
+            (np.ones(rows.size, dtype=np.int8), (rows, cols)), shape=(n, n)
+        ).tocsr()
+        n_classes, raw = connected_components(graph, directed=True, connection="strong")
+        src, dst = raw[cols], raw[rows]  # information flows key class -> query class
+        keep = src != dst
+        pairs = np.unique(src[keep] * n_classes + dst[keep])
+        src, dst = pairs // n_classes, pairs % n_classes
+        topo = _topological_class_order(n_classes, src, dst)
+        rank = np.empty(n_classes, dtype=np.int64)
+        rank[topo] = np.arange(n_classes)
+        labels = rank[raw]
+        src, dst = rank[src], rank[dst]
+        adj = [0] * n_classes
+        for a, b in zip(src.tolist(), dst.tolist()):
+            adj[b] |= 1 << a
+
+    # Closure and transitive reduction in one topological sweep (Python ints are
+    # bitsets: OR and highest set bit run in C over n/30 digits).
+    reach: list[int] = [0] * n_classes
+    covers_lo: list[int] = []
+    covers_hi: list[int] = []
+    for c in range(n_classes):
+        row = 1 << c
+        remaining = adj[c] & ~row
+        while remaining:
+            u = remaining.bit_length() - 1  # highest-ranked unexplained in-neighbour
+            covers_lo.append(u)
+            covers_hi.append(c)
+            row |= reach[u]
+            remaining &= ~row
+        reach[c] = row
+
+    # Canonical ids: (number of classes at or below, smallest member).
+    below = np.fromiter((r.bit_count() for r in reach), dtype=np.int64, count=n_classes)
+    smallest = np.full(n_classes, n, dtype=np.int64)
+    np.minimum.at(smallest, labels, np.arange(n))
+    canon = np.lexsort((smallest, below))
+    covers_lo_a = np.asarray(covers_lo, dtype=np.int64)
+    covers_hi_a = np.asarray(covers_hi, dtype=np.int64)
+    if not np.array_equal(canon, np.arange(n_classes)):
+        new_id = np.empty(n_classes, dtype=np.int64)
+        new_id[canon] = np.arange(n_classes)
+        dense = _unpack_rows(_packed_from_ints(reach, n_classes), n_classes)[canon][:, canon]
+        reach = _ints_from_packed(_pack_rows(dense))
+        labels = new_id[labels]
+        covers_lo_a, covers_hi_a = new_id[covers_lo_a], new_id[covers_hi_a]
+    covers = np.stack([covers_lo_a, covers_hi_a], axis=1).reshape(-1, 2)
+    return _Closure(labels, reach, covers, packed, triangular)
+
+
+def _reach_count(closure: _Closure) -> int:
+    """Number of True entries of the position-level R."""
+    if closure.triangular:
+        return sum(r.bit_count() for r in closure.reach)
+    n_classes = len(closure.reach)
+    sizes = np.bincount(closure.labels, minlength=n_classes)
+    class_r = _unpack_rows(_packed_from_ints(closure.reach, n_classes), n_classes)
+    per_class = class_r.astype(np.int64) @ sizes
+    return int(per_class[closure.labels].sum())
+
+
+def _expand_reach(closure: _Closure) -> np.ndarray:
+    n_classes = len(closure.reach)
+    class_r = _unpack_rows(_packed_from_ints(closure.reach, n_classes), n_classes)
+    if closure.triangular and np.array_equal(closure.labels, np.arange(n_classes)):
+        return class_r
+    return class_r[closure.labels][:, closure.labels]
+
+
+class _Adjacency(NamedTuple):
+    """Neighbour lists of ``n`` nodes: CSR (``ptr``, ``idx``) and, when the degrees are
+    nearly uniform, a padded table (ELL) whose pad entries are ``n``."""
+
+    ptr: np.ndarray
+    idx: np.ndarray
+    table: np.ndarray | None
+
+
+def _adjacency(keys: np.ndarray, values: np.ndarray, n: int) -> _Adjacency:
+    order = np.argsort(keys, kind="stable")
+    keys, values = keys[order], values[order]
+    counts = np.bincount(keys, minlength=n)
+    ptr = np.concatenate(([0], np.cumsum(counts)))
+    width = int(counts.max()) if counts.size else 0
+    table = None
+    if width and width <= 2 * counts.mean() + 2:
+        table = np.full((n, width), n, dtype=np.int64)
+        table[keys, np.arange(keys.size) - ptr[keys]] = values
+    return _Adjacency(ptr, values, table)
+
+
+def _neighbours(adj: _Adjacency, nodes: np.ndarray):
+    """Neighbours of ``nodes``: (table (len(nodes), w) padded with n, None) for ELL,
+    or (flat array, counts) for CSR."""
+    if adj.table is not None:
+        return adj.table[nodes], None
+    starts = adj.ptr[nodes]
+    counts = adj.ptr[nodes + 1] - starts
+    total = int(counts.sum())
+    flat = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)
+    return adj.idx[flat], counts
+
+
+def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None = None) -> int:
+    """Smallest L with A^L = R, given A packed and the number of True entries of R.
+
+    Breadth-first search from all sources at once: sources are grouped in blocks of
+    ``64 * words_per_node``; each (block, node) pair carries a bit set of the block's
+    sources that reached the node, and all blocks advance in lockstep so that Python runs
+    one iteration per BFS level. Each level *pulls*: candidate receivers are the
+    out-neighbours of the frontier, and each candidate ORs the frontier words of its
+    in-neighbours. For banded graphs (every edge spans at most ``b`` positions) the
+    frontier of a block is a band of ``64 * words + b`` nodes, so narrow blocks do the
+    least work; for graphs with long edges wide blocks amortise the index arithmetic.
+    ``words_per_node=None`` picks ``clip(b / 64, 1, 16)``.
+    """
+    n = packed.shape[0]
+    a_count = int(np.bitwise_count(packed).sum())
+    if a_count == r_count:  # A is a subset of R: equal sizes mean A = R
+        return 0 if a_count == n else 1
+    q_idx, k_idx = _edges_from_packed(packed)
+    off = q_idx != k_idx
+    q_idx, k_idx = q_idx[off], k_idx[off]
+    if words_per_node is None:
+        bandwidth = int(np.abs(q_idx - k_idx).max())
+        words_per_node = int(np.clip(2 ** round(np.log2(max(bandwidth, 1) / 64)), 1, 16))
+    kw = words_per_node
+    group = 64 * kw
+    n_blocks = (n + group - 1) // group
+    # One dummy node per block (index n): in-lists are padded with it (its frontier word
+    # is always 0) and out-lists are padded with it (it is never kept as a candidate).
+    out_adj = _adjacency(k_idx, q_idx, n)
+    in_adj = _adjacency(q_idx, k_idx, n)
+    stride = n + 1
+    frontier_words = np.zeros((n_blocks * stride, kw), dtype=np.uint64)
+    visited = np.zeros((n_blocks * stride, kw), dtype=np.uint64)
+    marks = np.zeros(n_blocks * stride, dtype=bool)
+    dummies = np.arange(n_blocks) * stride + n
+    sources = np.arange(n)
+    local = sources % group
+    front = (sources // group) * stride + sources
+    words = np.zeros((n, kw), dtype=np.uint64)
+    words[sources, local >> 6] = np.left_shift(np.uint64(1), (local & 63).astype(np.uint64))
+    visited[front] = words
+    level = 0
+    while front.size:
+        frontier_words[front] = words
+        block_base = (front // stride) * stride
+        receivers, counts = _neighbours(out_adj, front - block_base)
+        if counts is None:
+            receivers = receivers + block_base[:, None]
+        else:
+            receivers = receivers + np.repeat(block_base, counts)
+        marks[receivers.ravel()] = True
+        marks[dummies] = False
+        cand = np.flatnonzero(marks)
+        marks[cand] = False
+        cand_base = (cand // stride) * stride
+        senders, counts = _neighbours(in_adj, cand - cand_base)
+        if counts is None:
+            gathered = frontier_words[senders + cand_base[:, None]]
+            new = np.bitwise_or.reduce(gathered, axis=1)
+        else:
+            gathered = frontier_words[senders + np.repeat(cand_base, counts)]
+            new = np.bitwise_or.reduceat(gathered, np.cumsum(counts) - counts, axis=0)
+        new &= ~visited[cand]
+        frontier_words[front] = 0
+        keep = new.any(axis=1)
+        front, words = cand[keep], new[keep]
+        if front.size:
+            visited[front] |= words
+            level += 1
+    return level
+
+
+# ------------------------------------------------------------------ matmul method
+def _closure_matmul(mask: torch.Tensor):
+    """Limit, powers A^(2^j) and depth by repeated squaring on the mask's device."""
+    adj = layer_adjacency(mask)
+    n = adj.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=adj.device)
+    powers = [adj]
+    while True:
+        sq = _bool_product(powers[-1], powers[-1])
+        if torch.equal(sq, powers[-1]):
+            break
+        powers.append(sq)
+    limit = powers[-1]
+    if torch.equal(limit, eye):
+        return limit, 0
+    # Binary lifting: largest L with A^L != R, then depth = L + 1.
+    current, steps = eye, 0
+    for j in range(len(powers) - 1, -1, -1):
+        candidate = _bool_product(current, powers[j])
+        if not torch.equal(candidate, limit):
+            current, steps = candidate, steps + (1 << j)
+    return limit, steps + 1
+
+
+def _classes_from_limit(limit: torch.Tensor):
+    """Class labels (canonical ids), class-level order and covers from a limit R."""
+    n = limit.shape[0]
+    mutual = limit & limit.T
+    first = torch.argmax(mutual.to(torch.uint8), dim=1)  # smallest mutually reachable
+    reps, raw = torch.unique(first, return_inverse=True)
+    class_r = limit[reps][:, reps]
+    below = class_r.sum(dim=1).cpu().numpy()
+    smallest = reps.cpu().numpy()  # reps are the smallest members
+    canon = torch.as_tensor(np.lexsort((smallest, below)), device=limit.device)
+    new_id = torch.empty_like(canon)
+    new_id[canon] = torch.arange(canon.numel(), device=limit.device)
+    labels = new_id[raw]
+    class_r = class_r[canon][:, canon]
+    eye = torch.eye(class_r.shape[0], dtype=torch.bool, device=limit.device)
+    strict = class_r & ~eye
+    covers = strict & ~_bool_product(strict, strict)
+    hi, lo = torch.nonzero(covers, as_tuple=True)  # covers[hi, lo]: lo -> hi
+    del n
+    return labels, torch.stack([lo, hi], dim=1)
+
+
+# ------------------------------------------------------------------ public analysis
+class OrderStructure(NamedTuple):
+    """Everything :func:`order_structure` computes for one mask."""
+
+    R: torch.Tensor  # (n, n) bool limit reachability
+    depth: int  # smallest L with A^L = R
+    hasse: nx.DiGraph  # Hasse diagram of the classes
+    labels: torch.Tensor  # (n,) long: Hasse node of each position
+
+
+def _resolve_method(mask: torch.Tensor, method: str) -> str:
+    if method not in _METHODS:
+        raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
+    if method == "auto":
+        return "bitset" if mask.device.type == "cpu" else "matmul"
+    return method
+
+
+def _build_hasse(labels: np.ndarray, covers: np.ndarray, n_classes: int) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    order = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[order], np.arange(n_classes + 1))
+    graph.add_nodes_from(
+        (c, {"members": tuple(int(p) for p in order[bounds[c] : bounds[c + 1]])})
+        for c in range(n_classes)
+    )
+    graph.add_edges_from((int(a), int(b)) for a, b in covers)
+    graph.graph["n_positions"] = int(labels.size)
+    return graph
+
+
+def order_structure(
+    mask: torch.Tensor, *, method: str = "auto", compute_depth: bool = True
+) -> OrderStructure:
+    """Limit reachability, depth and Hasse diagram of ``mask`` in one pass.
+
+    Parameters
+    ----------
+    mask : (n, n) bool tensor.
+    method : "auto" (bitset on CPU tensors, matmul elsewhere), "bitset" or "matmul";
+        see the module docstring for algorithms and costs.
+    compute_depth : bool. When False ``depth`` is returned as -1 (saves the BFS).
+
+    Returns
+    -------
+    OrderStructure(R, depth, hasse, labels), ``R`` and ``labels`` on ``mask.device``.
+    """
+    validate_mask(mask)
+    method = _resolve_method(mask, method)
+    if method == "bitset":
+        closure = _closure_bitset(mask)
+        r_np = _expand_reach(closure)
+        depth = _depth_bitset(closure.packed, _reach_count(closure)) if compute_depth else -1
+        hasse = _build_hasse(closure.labels, closure.covers, len(closure.reach))
+        return OrderStructure(
+            torch.from_numpy(r_np), depth, hasse, torch.from_numpy(closure.labels)
+        )
+    limit, depth = _closure_matmul(mask)
+    labels, covers = _classes_from_limit(limit)
+    labels_np = labels.cpu().numpy()
+    hasse = _build_hasse(labels_np, covers.cpu().numpy(), int(labels_np.max()) + 1)
+    return OrderStructure(limit, depth if compute_depth else -1, hasse, labels)
+
+
+def reachability_limit(mask: torch.Tensor, *, method: str = "auto") -> tuple[torch.Tensor, int]:
+    """Limit reachability ``R = lim A^L`` and the depth ``L*`` (smallest L with A^L = R).
+
+    ``L* = 0`` when no information flows between positions (``R = I``), ``1`` for dense
+    masks (``A`` already transitive: causal, block-causal, prefix-LM, ...), ``n - 1`` for
+    the chain. See the module docstring for the algorithms.
+
+    Returns
+    -------
+    (R, depth): ``R`` an (n, n) bool tensor on ``mask.device``, ``depth`` an int.
+    """
+    result = order_structure(mask, method=method)
+    return result.R, result.depth
+
+
+def hasse_diagram(mask: torch.Tensor, *, method: str = "auto") -> nx.DiGraph:
+    """Hasse diagram of the partial order that ``mask`` induces on its position classes.
+
+    Nodes are the classes of mutually reachable positions (node attribute ``members``: the
+    sorted tuple of positions), numbered in a topological order (see module docstring);
+    edges are the covering relations, from the attended class to the attending class.
+    ``graph.graph["n_positions"]`` holds ``n``.
+    """
+    return order_structure(mask, method=method, compute_depth=False).hasse
+
+
+def tokens_reached(R: torch.Tensor, inputs) -> list[set[int]]:
+    """For each position ``q`` the set of source tokens it can read through ``R``:
+    the union of ``inputs[k]`` over ``k`` with ``R[q, k]``."""
+    validate_mask(R, "R")
+    if len(inputs) != R.shape[0]:
+        raise ValueError(f"inputs: expected {R.shape[0]} entries, got {len(inputs)}")
+    r_np = R.cpu().numpy()
+    return [{t for k in np.flatnonzero(r_np[q]) for t in inputs[k]} for q in range(len(inputs))]
+
+
+# ------------------------------------------------------------------------- drawing
+def format_members(members) -> str:
+    """Compact label for a class: ``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    members = sorted(members)
+    parts, start, prev = [], None, None
+    for m in members:
+        if start is None:
+            start = prev = m
+        elif m == prev + 1:
+            prev = m
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = m
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def hasse_layout(graph: nx.DiGraph, *, key=None) -> dict:
+    """Layered top-down layout: sources at the top, each node one row below its lowest
+    cover, nodes in a row ordered by ``key(node)`` (default: smallest member)."""
+    if key is None:
+
+        def key(node):
+            members = graph.nodes[node].get("members", (node,))
+            return (min(members) if members else 0, node)
+
+    pos = {}
+    for depth, generation in enumerate(nx.topological_generations(graph)):
+        row = sorted(generation, key=key)
+        width = len(row)
+        for i, node in enumerate(row):
+            pos[node] = (i - (width - 1) / 2, -depth)
+    return pos
+
+
+def draw_hasse(
+    graph: nx.DiGraph,
+    ax,
+    *,
+    pos=None,
+    labels=None,
+    node_color="#cfe2f3",
+    node_size=600,
+    font_size=8,
+):
+    """Draw a Hasse diagram on ``ax`` with :func:`hasse_layout` (arrows = information flow).
+
+    ``labels``: dict node -> text (default: compact member ranges).
+    """
+    pos = hasse_layout(graph) if pos is None else pos
+    if labels is None:
+        labels = {v: format_members(graph.nodes[v].get("members", (v,))) for v in graph}
+    nx.draw_networkx_edges(
+        graph, pos, ax=ax, arrows=True, arrowsize=10, node_size=node_size, edge_color="#555555"
+    )
+    nx.draw_networkx_nodes(
+        graph, pos, ax=ax, node_color=node_color, node_size=node_size, edgecolors="#333333"
+    )
+    nx.draw_networkx_labels(graph, pos, labels=labels, ax=ax, font_size=font_size)
+    ax.set_axis_off()
+    ax.margins(0.12)
+    return pos
+
+
+def draw_mask(ax, mask: torch.Tensor, title: str | None = None, *, cmap="Blues"):
+    """Heat map of a bool mask: rows = query (receiver) q, columns = key (source) k."""
+    m = mask.detach().cpu().to(torch.float32).numpy()
+    ax.imshow(m, cmap=cmap, vmin=0, vmax=1.25, interpolation="nearest")
+    ax.set_xlabel("key k")
+    ax.set_ylabel("query q")
+    if title:
+        ax.set_title(title, fontsize=9)
+    n = m.shape[0]
+    if n <= 24:
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.tick_params(labelsize=6)
+    return ax

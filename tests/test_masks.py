@@ -1,0 +1,133 @@
+"""Masks: closed forms against element-wise definitions, mask_mods against dense masks."""
+import itertools
+
+import pytest
+import torch
+
+from companion import masks as M
+
+
+def _from_predicate(n, pred):
+    return torch.tensor([[bool(pred(q, k)) for k in range(n)] for q in range(n)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16])
+def test_dense_builders_match_definitions(n):
+    assert torch.equal(M.causal(n), _from_predicate(n, lambda q, k: k <= q))
+    assert torch.equal(M.chain(n), _from_predicate(n, lambda q, k: k == q - 1))
+    assert torch.equal(M.bidirectional(n), _from_predicate(n, lambda q, k: True))
+    for w in (1, 2, 3, 5):
+        assert torch.equal(
+            M.sliding_window(n, w), _from_predicate(n, lambda q, k: 0 <= q - k < w)
+        )
+    for b in (1, 2, 3, 4):
+        assert torch.equal(
+            M.block_causal(n, b), _from_predicate(n, lambda q, k: k // b <= q // b)
+        )
+    for p in range(0, n + 1, max(1, n // 3)):
+        assert torch.equal(
+            M.prefix_lm(n, p), _from_predicate(n, lambda q, k: k < p or k <= q)
+        )
+
+
+def test_random_mask_density_and_diagonal():
+    g = torch.Generator().manual_seed(1)
+    m = M.random_mask(400, 0.1, generator=g)
+    assert m.dtype == torch.bool and not m.diagonal().any()
+    frac = m.sum().item() / (400 * 399)
+    assert abs(frac - 0.1) < 0.01
+    assert not M.random_mask(50, 0.0).any()
+    assert M.random_mask(50, 1.0).sum().item() == 50 * 49
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [2, 0, 3, 1], [4, 3, 2, 1, 0]])
+def test_xlnet_two_stream(order):
+    n = len(order)
+    rank = {tok: t for t, tok in enumerate(order)}
+    masks = M.xlnet_two_stream(order)
+    for i, j in itertools.product(range(n), repeat=2):
+        assert masks.content[i, j] == (rank[j] <= rank[i])
+        assert masks.query[i, j] == (rank[j] < rank[i])
+    assert not masks.query.diagonal().any()  # the query stream never sees its own token
+    assert masks.content.diagonal().all()
+    assert torch.equal(masks.joint[:n, :n], masks.content)
+    assert torch.equal(masks.joint[n:, :n], masks.query)
+    assert not masks.joint[:, n:].any()
+
+
+def test_block_two_stream_closed_form():
+    # element-wise restatement of the docstring
+    for n, b in [(1, 1), (6, 2), (7, 3), (8, 4), (5, 5)]:
+        c = ((n - 1) // b) * b
+        m = M.block_two_stream_mask(n, b)
+        assert m.shape == (c + n, c + n)
+        for q, k in itertools.product(range(c + n), repeat=2):
+            if q < c:
+                want = k < c and k // b <= q // b
+            else:
+                t = q - c
+                want = (k < c and k // b < t // b) or (k >= c and (k - c) // b == t // b)
+            assert bool(m[q, k]) == want, (n, b, q, k)
+
+
+def test_butterfly_closed_form():
+    for n in (2, 3, 6):
+        lay = M.butterfly_layout(n)
+        m = M.butterfly_mask(n)
+        assert m.shape == (3 * n - 2, 3 * n - 2)
+        fwd = {p: p for p in lay["forward"]}
+        bwd = {p: p - (n - 1) + 1 for p in lay["backward"]}
+        pred = {p: p - (2 * n - 2) for p in lay["predict"]}
+        for q, k in itertools.product(range(3 * n - 2), repeat=2):
+            if q in fwd:
+                want = k in fwd and fwd[k] <= fwd[q]
+            elif q in bwd:
+                want = k in bwd and bwd[k] >= bwd[q]
+            else:
+                want = (k in fwd and fwd[k] < pred[q]) or (k in bwd and bwd[k] > pred[q]) or q == k
+            assert bool(m[q, k]) == want
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_named_mask_mods_match_dense(n):
+    pairs = [
+        (M.causal_mask_mod, M.causal(n)),
+        (M.chain_mask_mod, M.chain(n)),
+        (M.sliding_window_mask_mod(3), M.sliding_window(n, 3)),
+        (M.block_causal_mask_mod(4), M.block_causal(n, 4)),
+        (M.prefix_lm_mask_mod(2), M.prefix_lm(n, min(2, n))),
+    ]
+    for mod, dense in pairs:
+        if dense.shape[0] == n and mod is not None:
+            assert torch.equal(M.dense_from_mask_mod(mod, n), dense)
+    assert torch.equal(M.dense_from_mask_mod(M.mask_mod(M.causal(n)), n), M.causal(n))
+    b2 = M.block_two_stream_mask(n, 2)
+    assert torch.equal(M.dense_from_mask_mod(M.block_two_stream_mask_mod(n, 2), b2.shape[0]), b2)
+    if n >= 2:
+        bf = M.butterfly_mask(n)
+        assert torch.equal(M.dense_from_mask_mod(M.butterfly_mask_mod(n), bf.shape[0]), bf)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="n: expected an int >= 1"):
+        M.causal(0)
+    with pytest.raises(TypeError, match="n: expected an int"):
+        M.causal(3.0)
+    with pytest.raises(ValueError, match="width"):
+        M.sliding_window(4, 0)
+    with pytest.raises(ValueError, match="prefix"):
+        M.prefix_lm(4, 5)
+    with pytest.raises(ValueError, match="order: expected a permutation"):
+        M.xlnet_two_stream([0, 0, 1])
+    with pytest.raises(ValueError, match="p: expected a probability"):
+        M.random_mask(4, 1.5)
+    with pytest.raises(ValueError, match=r"expected a square 2-D bool tensor, got shape \(3, 4\)"):
+        M.validate_mask(torch.zeros(3, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask: expected a square 2-D bool tensor, got dtype"):
+        M.validate_mask(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="non-empty"):
+        M.validate_mask(torch.zeros(0, 0, dtype=torch.bool))
+    with pytest.raises(TypeError):
+        M.validate_mask([[True]])
+    with pytest.raises(ValueError, match="n: expected an int >= 2"):
+        M.butterfly_mask(1)

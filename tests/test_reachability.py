@@ -1,0 +1,221 @@
+"""Reachability, limits, depth and Hasse diagrams against brute force and networkx."""
+import math
+from collections import deque
+
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+
+from companion import masks as M
+from companion import reachability as RR
+
+METHODS = ["bitset", "matmul"]
+
+
+def _bfs_distances(mask):
+    """dist[q][k]: fewest layers for information at k to reach q (None if never)."""
+    n = mask.shape[0]
+    out = [[] for _ in range(n)]  # k -> q edges
+    m = mask.tolist()
+    for q in range(n):
+        for k in range(n):
+            if m[q][k] and q != k:
+                out[k].append(q)
+    dist = [[None] * n for _ in range(n)]
+    for k in range(n):
+        dist[k][k] = 0
+        queue = deque([k])
+        while queue:
+            v = queue.popleft()
+            for w in out[v]:
+                if dist[w][k] is None:
+                    dist[w][k] = dist[v][k] + 1
+                    queue.append(w)
+    return dist
+
+
+def _brute(mask):
+    dist = _bfs_distances(mask)
+    n = mask.shape[0]
+    R = torch.tensor([[dist[q][k] is not None for k in range(n)] for q in range(n)])
+    depth = max(d for row in dist for d in row if d is not None)
+    return R, depth, dist
+
+
+def _random_masks():
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for n in (1, 2, 5, 13, 30):
+        for p in (0.0, 0.05, 0.15, 0.4):
+            cases.append(M.random_mask(n, p, generator=g))
+            cases.append(M.random_mask(n, p, generator=g) & M.causal(n))  # DAG-like
+    cases += [M.chain(17), M.sliding_window(23, 4), M.block_causal(12, 5), M.prefix_lm(9, 3)]
+    return cases
+
+
+def _members_graph(graph):
+    return {
+        (frozenset(graph.nodes[u]["members"]), frozenset(graph.nodes[v]["members"]))
+        for u, v in graph.edges
+    }, {frozenset(graph.nodes[v]["members"]) for v in graph}
+
+
+def _networkx_hasse(mask):
+    n = mask.shape[0]
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    qs, ks = torch.nonzero(mask, as_tuple=True)
+    g.add_edges_from((int(k), int(q)) for q, k in zip(qs, ks) if int(q) != int(k))
+    cond = nx.condensation(g)
+    red = nx.transitive_reduction(cond)
+    for v in red:
+        red.nodes[v]["members"] = tuple(sorted(cond.nodes[v]["members"]))
+    return red
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_limit_and_depth_match_bfs(method):
+    for mask in _random_masks():
+        R_bf, depth_bf, _ = _brute(mask)
+        R, depth = RR.reachability_limit(mask, method=method)
+        assert torch.equal(R, R_bf)
+        assert depth == depth_bf
+
+
+def test_reachability_powers_match_bfs():
+    for mask in _random_masks()[::3]:
+        _, depth, dist = _brute(mask)
+        n = mask.shape[0]
+        for L in range(0, depth + 3):
+            want = torch.tensor(
+                [[dist[q][k] is not None and dist[q][k] <= L for k in range(n)] for q in range(n)]
+            )
+            assert torch.equal(RR.reachability(mask, L), want), L
+
+
+def test_sequence_ends_at_limit():
+    for mask in (M.chain(9), M.sliding_window(20, 3), M.causal(6)):
+        seq = RR.reachability_sequence(mask)
+        R, depth = RR.reachability_limit(mask)
+        assert torch.equal(seq[-1], R)
+        assert len(seq) == max(depth, 1)
+        for a, b in zip(seq, seq[1:]):
+            assert not (a & ~b).any() and not torch.equal(a, b)  # strictly growing
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hasse_matches_networkx(method):
+    for mask in _random_masks():
+        ours = RR.hasse_diagram(mask, method=method)
+        ref = _networkx_hasse(mask)
+        assert _members_graph(ours) == _members_graph(ref)
+        # ids are a topological order and members partition the positions
+        assert all(u < v for u, v in ours.edges)
+        members = sorted(p for v in ours for p in ours.nodes[v]["members"])
+        assert members == list(range(mask.shape[0]))
+
+
+def test_methods_number_nodes_identically():
+    for mask in _random_masks():
+        a = RR.hasse_diagram(mask, method="bitset")
+        b = RR.hasse_diagram(mask, method="matmul")
+        assert dict(a.nodes(data="members")) == dict(b.nodes(data="members"))
+        assert set(a.edges) == set(b.edges)
+
+
+def test_known_depths():
+    for n in (2, 5, 40):
+        R, depth = RR.reachability_limit(M.chain(n))
+        assert depth == n - 1 and torch.equal(R, M.causal(n))
+    for n, w in [(10, 2), (50, 4), (64, 8), (100, 7)]:
+        R, depth = RR.reachability_limit(M.sliding_window(n, w))
+        assert depth == math.ceil((n - 1) / (w - 1))
+        assert torch.equal(R, M.causal(n))
+    for mask in (M.causal(30), M.block_causal(30, 4), M.prefix_lm(30, 7), M.bidirectional(9)):
+        R, depth = RR.reachability_limit(mask)
+        assert depth == 1 and torch.equal(R, RR.layer_adjacency(mask))  # dense: L* = 1
+    R, depth = RR.reachability_limit(torch.zeros(6, 6, dtype=torch.bool))
+    assert depth == 0 and torch.equal(R, torch.eye(6, dtype=torch.bool))
+
+
+def test_hasse_of_standard_masks():
+    h = RR.hasse_diagram(M.causal(6))
+    assert list(h.edges) == [(i, i + 1) for i in range(5)]  # a chain, information flows up
+    h = RR.hasse_diagram(M.block_causal(9, 3))
+    assert [h.nodes[v]["members"] for v in h] == [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
+    assert list(h.edges) == [(0, 1), (1, 2)]
+    h = RR.hasse_diagram(M.bidirectional(5))
+    assert h.number_of_nodes() == 1 and h.nodes[0]["members"] == tuple(range(5))
+    # XLNet: each query stream sits above the contents of earlier tokens, never its own
+    n = 4
+    order = [2, 0, 3, 1]
+    R, _ = RR.reachability_limit(M.xlnet_two_stream(order).joint)
+    rank = {tok: t for t, tok in enumerate(order)}
+    for i in range(n):
+        seen = {j for j in range(n) if R[n + i, j]}
+        assert seen == {j for j in range(n) if rank[j] < rank[i]}
+
+
+def test_bfs_paths_agree():
+    """ELL and CSR neighbour lists, narrow and wide source blocks give the same depth."""
+    g = torch.Generator().manual_seed(3)
+    masks = [M.sliding_window(300, 9), M.random_mask(300, 4 / 300, generator=g)]
+    hub = M.chain(300)
+    hub[:, 0] = True  # a global key: skewed out-degree forces the CSR path
+    hub[0, 0] = False
+    masks.append(hub)
+    for mask in masks:
+        closure = RR._closure_bitset(mask)
+        count = RR._reach_count(closure)
+        depths = {RR._depth_bitset(closure.packed, count, kw) for kw in (1, 2, 16)}
+        assert depths == {_brute(mask)[1]}
+
+
+def test_scale_smoke():
+    """n = 2048 runs through every stage (no timing assert: see the benchmark)."""
+    g = torch.Generator().manual_seed(0)
+    for mask, depth in [
+        (M.causal(2048), 1),
+        (M.sliding_window(2048, 64), math.ceil(2047 / 63)),
+        (M.random_mask(2048, 4 / 2048, generator=g), None),
+    ]:
+        res = RR.order_structure(mask)
+        assert res.R.shape == (2048, 2048) and res.R.diagonal().all()
+        if depth is not None:
+            assert res.depth == depth
+        assert nx.is_directed_acyclic_graph(res.hasse)
+        # R is transitive on a sample of rows: R[q] covers R[k] for every k it sees
+        rows = np.random.default_rng(0).choice(2048, 20, replace=False)
+        for q in rows:
+            seen = torch.nonzero(res.R[q]).ravel()
+            assert torch.equal(res.R[seen].any(dim=0) | res.R[q], res.R[q])
+
+
+def test_tokens_reached_and_format():
+    R = RR.layer_adjacency(M.causal(3))
+    assert RR.tokens_reached(R, [(0,), (1, 2), ()]) == [{0}, {0, 1, 2}, {0, 1, 2}]
+    assert RR.format_members((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="mask: expected a square"):
+        RR.reachability_limit(torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="dtype"):
+        RR.hasse_diagram(torch.eye(3))
+    with pytest.raises(ValueError, match="non-empty"):
+        RR.layer_adjacency(torch.zeros(0, 0, dtype=torch.bool))
+    with pytest.raises(ValueError, match="layers"):
+        RR.reachability(M.causal(3), -1)
+    with pytest.raises(ValueError, match="method"):
+        RR.reachability_limit(M.causal(3), method="magic")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matmul_matches_cpu_bitset():
+    mask = M.random_mask(200, 0.02, generator=torch.Generator().manual_seed(0))
+    R_cpu, d_cpu = RR.reachability_limit(mask)
+    R_gpu, d_gpu = RR.reachability_limit(mask.cuda())
+    assert R_gpu.device.type == "cuda" and torch.equal(R_gpu.cpu(), R_cpu) and d_gpu == d_cpu
+    with pytest.raises(ValueError, match="bitset"):
+        RR.reachability_limit(mask.cuda(), method="bitset")
