@@ -358,3 +358,84 @@ def test_edge_attention_bad_input():
         edge_attention(q, kv, kv, e, edge_weight=torch.ones(3))
     with pytest.raises(ValueError, match="mask"):
         dense_masked_attention(q, kv, kv, torch.ones(4, 4, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------
+# SBMAttention: straight-through estimator, density, regulariser
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_sbm_attention_ste_gradient_closed_form(device):
+    """All parameter and input gradients of SBMAttention equal the closed form: dense
+    attention with the sampled mask A as a leaf, grad_P = hardtanh(A * grad_A), then
+    back-propagation of grad_P through P = Qhat S Khat^T (dense, float64)."""
+    torch.manual_seed(20)
+    B, H, n, m, d, kc = 2, 2, 7, 6, 4, 3
+    layer = SBMAttention(d, H, kc, device=device, dtype=F64)
+    q, k, v = (
+        torch.randn(B, H, L, d, dtype=F64, device=device).requires_grad_() for L in (n, m, m)
+    )
+    weight = 3 * torch.randn(B, H, n, d, dtype=F64, device=device)
+    lam = 0.7
+    gen = torch.Generator(device=device).manual_seed(21)
+    out, density, edges = layer(q, k, v, generator=gen, return_edges=True)
+    loss = (out * weight).sum() + lam * density.sum()
+    params = [q, k, v, *layer.parameters()]
+    got = torch.autograd.grad(loss, params)
+
+    mask = _dense_count(edges, B * H, n, m).reshape(B, H, n, m).to(F64).requires_grad_()
+    assert int(mask.max()) == 1 and 0 < int(mask.sum()) < B * H * n * m
+    torch.testing.assert_close(density.detach(), mask.detach().sum((2, 3)) / (n * m))
+    ref_out = dense_masked_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref_out)
+    ref_loss = (ref_out * weight).sum() + lam * (mask.sum((2, 3)) / (n * m)).sum()
+    (grad_a,) = torch.autograd.grad(ref_loss, mask, retain_graph=True)
+    grad_p = torch.nn.functional.hardtanh(mask.detach() * grad_a)
+    sampled = mask.detach().bool()
+    clipped = (mask.detach() * grad_a).abs() > 1
+    assert bool(clipped[sampled].any()) and bool((~clipped)[sampled].any())  # both regimes
+    p = edge_probabilities(*sbm_parameters(q, k, layer.cluster_embeddings, layer.mlp))
+    surrogate = ref_loss + (grad_p * p).sum()
+    expect = torch.autograd.grad(surrogate, params)
+    for name, a, b in zip(["q", "k", "v"] + [n for n, _ in layer.named_parameters()], got, expect):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_sbm_attention_density_regularizer_and_shapes():
+    torch.manual_seed(22)
+    B, H, n, d, kc = 2, 2, 30, 8, 4
+    layer = SBMAttention(d, H, kc, self_loops=True)
+    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
+    out, density = layer(q, k, v, generator=torch.Generator().manual_seed(23))
+    assert out.shape == (B, H, n, d) and density.shape == (B, H)
+    assert bool(torch.isfinite(out).all())
+    assert bool((density >= 1 / n).all())  # self loops: at least n edges per head
+    out2, density2 = layer(q, k, v, generator=torch.Generator().manual_seed(24))
+    reg = density_regularizer([density, density2], lam=1e-4)
+    torch.testing.assert_close(reg, 1e-4 * torch.cat([density, density2]).mean())
+    reg.backward()
+    grads = [p.grad for p in layer.parameters()]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    # the regulariser alone reaches the parameters, through the straight-through estimator
+    assert any(float(g.abs().sum()) > 0 for g in grads)
+    with pytest.raises(ValueError, match="lam"):
+        density_regularizer(density, lam=-1.0)
+    with pytest.raises(TypeError, match="densities"):
+        density_regularizer([])
+
+
+def test_sbm_attention_bad_input():
+    with pytest.raises(ValueError, match="num_clusters"):
+        SBMAttention(8, 2, 0)
+    with pytest.raises(ValueError, match="duplicates"):
+        SBMAttention(8, 2, 4, duplicates="sum")
+    layer = SBMAttention(8, 2, 4)
+    with pytest.raises(ValueError, match="q: expected"):
+        layer(torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8))
+    with pytest.raises(ValueError, match="q, k"):
+        layer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 7), torch.randn(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="empty"):
+        layer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8))
+    nan_q = torch.randn(1, 2, 5, 8)
+    nan_q[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="q_membership"):
+        layer(nan_q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
