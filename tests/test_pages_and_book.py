@@ -40,7 +40,8 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     for fmt in ("PNG", "SVG", "PDF"):
         assert f"{{download}}`{fmt} <assets/demo/figures/demo-random-walk." in index
     assert "@misc{attnrepro-demo-random-walk," in index
-    assert "{ref}`demo-random-walk <demo-random-walk>`" in index
+    assert "{numref}`demo-random-walk`" in index
+    assert "1 figure(s) in 1 chapter(s)." in index.split("## Demo chapter")[0]
     assert "scale `smoke`" in index
     report = pages.reproduction_report(p)
     assert "| Demo chapter | 1 | 0 | 1 | fresh |" in report

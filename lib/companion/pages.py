@@ -88,10 +88,7 @@ def _run_state(project, name: str) -> tuple[bool, dict[str, Any] | None]:
 
 def figure_index(project) -> str:
     meta = citation_metadata(project.root)
-    lines = [HEADER, "# Figure index", "",
-             "Every figure of the book, generated from the provenance sidecar saved with it. "
-             "Each entry links to its place in its chapter, gives the files to download and a "
-             "BibTeX entry citing that figure at the commit that produced it.", ""]
+    lines: list[str] = []
     total = 0
     for name in project.toc_chapters():
         folder = project.assets(name) / "figures"
@@ -119,15 +116,19 @@ def figure_index(project) -> str:
                 f"### `{fig['id']}`{stale_mark}", "",
                 f"```{{image}} {rel}.png", ":width: 320px", f":alt: {fig['id']}", "```", "",
                 f"{' '.join(fig.get('caption', '').split())}", "",
-                f"In the chapter: {{ref}}`{fig['id']} <{fig['id']}>` · Download: {downloads}",
+                f"In the chapter: {{numref}}`{fig['id']}` · Download: {downloads}",
                 "",
                 f"Provenance: commit `{fig.get('git_commit', '?')[:12]}`{dirty}, scale "
                 f"`{fig.get('scale')}`, device `{fig.get('device')}`, seed `{fig.get('seed')}`, "
                 f"made {fig.get('created')}; sidecar {{download}}`JSON <{rel}.json>`.", "",
                 "```bibtex", bibtex_for_figure(meta, fig), "```", "",
             ]
-    lines.insert(6, f"{total} figure(s) in {len(project.toc_chapters())} chapter(s).\n")
-    return "\n".join(lines) + "\n"
+    head = [HEADER, "# Figure index", "",
+            "Every figure of the book, generated from the provenance sidecar saved with it. "
+            "Each entry links to its place in its chapter, gives the files to download and a "
+            "BibTeX entry citing that figure at the commit that produced it.", "",
+            f"{total} figure(s) in {len(project.toc_chapters())} chapter(s).", ""]
+    return "\n".join(head + lines) + "\n"
 
 
 def _cell(value: Any) -> str:
