@@ -1,0 +1,256 @@
+"""Benchmark: limit reachability R, depth L* and Hasse diagram of attention masks.
+
+Ours: ``companion.reachability.order_structure`` (bit-packed closure + transitive
+reduction in one topological sweep, lockstep bit-parallel BFS for the depth).
+Baselines, measured in the same run on the same masks:
+
+- networkx: ``transitive_closure(G, reflexive=True)`` + ``condensation`` +
+  ``transitive_reduction`` (no depth: networkx has no direct equivalent, so the baseline
+  does strictly less work than ours);
+- matmul: the same three results by repeated float squaring (``method="matmul"``).
+
+Masks: causal, sliding window (width 64) and random (edge probability 4/n), for
+n = 256, 1024, 4096, plus n = 8192 for ours alone (the scale target). Baselines run in a
+child process under a time limit; a run that hits the limit is reported as a lower bound
+(">= limit") and so is its speed-up ratio.
+
+Usage: ``.venv/bin/python benchmarks/bench_reachability.py [--quick]``. Writes
+``benchmarks/results/reachability.json`` and ``.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from companion import masks as M
+from companion.reachability import order_structure
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_mask(kind: str, n: int) -> torch.Tensor:
+    if kind == "causal":
+        return M.causal(n)
+    if kind == "window64":
+        return M.sliding_window(n, 64)
+    if kind == "random4/n":
+        return M.random_mask(n, 4.0 / n, generator=torch.Generator().manual_seed(n))
+    raise ValueError(kind)
+
+
+def run_networkx(kind: str, n: int):
+    import networkx as nx
+
+    mask = make_mask(kind, n)
+    q, k = torch.nonzero(mask, as_tuple=True)
+    start = time.perf_counter()
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    g.add_edges_from(zip(k.tolist(), q.tolist()))
+    closure = nx.transitive_closure(g, reflexive=True)
+    cond = nx.condensation(g)
+    hasse = nx.transitive_reduction(cond)
+    seconds = time.perf_counter() - start
+    return seconds, {
+        "R_entries": closure.number_of_edges(),
+        "classes": hasse.number_of_nodes(),
+        "hasse_edges": hasse.number_of_edges(),
+    }
+
+
+def run_ours(kind: str, n: int, method: str = "bitset"):
+    mask = make_mask(kind, n)
+    start = time.perf_counter()
+    res = order_structure(mask, method=method)
+    seconds = time.perf_counter() - start
+    return seconds, {
+        "R_entries": int(res.R.sum()),
+        "classes": res.hasse.number_of_nodes(),
+        "hasse_edges": res.hasse.number_of_edges(),
+        "depth": res.depth,
+    }
+
+
+def _child(conn, fn, args):
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    conn.send("ready")  # imports done: the time limit starts now
+    conn.send(fn(*args))
+    conn.close()
+
+
+def timed_in_child(fn, args, limit: float):
+    """Run ``fn(*args)`` in a child process; return (seconds, info) or (None, None) when
+    the time limit is hit."""
+    ctx = mp.get_context("spawn")  # fork after OpenMP initialisation can hang the child
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc.start()
+    child.close()
+    if parent.poll(300.0):
+        parent.recv()  # "ready"
+    if parent.poll(limit):
+        result = parent.recv()
+        proc.join()
+        return result
+    proc.kill()
+    proc.join()
+    return None, None
+
+
+def best_of(fn, args, repeats):
+    best, info = math.inf, None
+    for _ in range(repeats):
+        seconds, info = fn(*args)
+        best = min(best, seconds)
+    return best, info
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="n = 256, 1024 and 8192 only")
+    parser.add_argument("--limit", type=float, default=None, help="baseline time limit (s)")
+    args = parser.parse_args(argv)
+    sizes = [256, 1024] if args.quick else [256, 1024, 4096]
+    limit = args.limit or (30.0 if args.quick else 150.0)
+    kinds = ["causal", "window64", "random4/n"]
+    torch.set_num_threads(2)
+    rows = []
+    start_all = time.perf_counter()
+    for n in sizes + [8192]:
+        for kind in kinds:
+            repeats = 3 if n <= 1024 else 1
+            ours_s, ours = best_of(run_ours, (kind, n), repeats)
+            row = {"mask": kind, "n": n, "ours_s": ours_s, **ours}
+            if n in sizes:
+                nx_s, nx_info = timed_in_child(run_networkx, (kind, n), limit)
+                row["networkx_s"] = nx_s
+                row["networkx_lower_bound"] = nx_s is None
+                if nx_info is not None:
+                    row["agrees_with_networkx"] = all(
+                        nx_info[key] == ours[key] for key in ("R_entries", "classes", "hasse_edges")
+                    )
+                mm_limit = limit if n <= 1024 else min(limit, 60.0)
+                mm_s, mm_info = timed_in_child(run_ours, (kind, n, "matmul"), mm_limit)
+                row["matmul_s"] = mm_s
+                row["matmul_lower_bound"] = mm_s is None
+                if mm_info is not None:
+                    row["agrees_with_matmul"] = mm_info == ours
+                row["speedup_vs_networkx"] = (nx_s if nx_s is not None else limit) / ours_s
+                row["speedup_vs_matmul"] = (mm_s if mm_s is not None else mm_limit) / ours_s
+                row["_limits"] = {"networkx": limit, "matmul": mm_limit}
+            rows.append(row)
+            print(_format_row(row), flush=True)
+
+    growth = {}
+    for kind in kinds:
+        pts = [(r["n"], r["ours_s"]) for r in rows if r["mask"] == kind]
+        x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+        growth[kind] = float(np.polyfit(x, y, 1)[0])
+    target = {r["mask"]: r["ours_s"] for r in rows if r["n"] == 8192}
+    report = {
+        "benchmark": "reachability",
+        "quick": args.quick,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "load_average_at_end": os.getloadavg(),
+        },
+        "baseline_time_limit_s": limit,
+        "rows": rows,
+        "growth_exponent_ours": growth,
+        "target_n8192_seconds": target,
+        "target_n8192_total_seconds": sum(target.values()),
+        "wall_seconds": time.perf_counter() - start_all,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "reachability.json").write_text(json.dumps(report, indent=2))
+    md = _markdown(report)
+    (RESULTS / "reachability.md").write_text(md)
+    print()
+    print(md)
+
+
+def _fmt_time(seconds, lower_bound, limit):
+    if lower_bound:
+        return f">= {limit:.0f}"
+    return "-" if seconds is None else f"{seconds:.3f}"
+
+
+def _fmt_ratio(row, key, lb_key):
+    if key not in row:
+        return "-"
+    prefix = ">= " if row[lb_key] else ""
+    return f"{prefix}{row[key]:.0f}x" if row[key] >= 10 else f"{prefix}{row[key]:.1f}x"
+
+
+def _format_row(row):
+    limits = row.get("_limits", {})
+    return (
+        f"{row['mask']:>10} n={row['n']:>5}  ours {row['ours_s']:.3f}s  depth {row['depth']:>4}"
+        f"  classes {row['classes']:>5}  hasse edges {row['hasse_edges']:>5}"
+        + (
+            f"  networkx "
+            f"{_fmt_time(row['networkx_s'], row['networkx_lower_bound'], limits['networkx'])}s"
+            f" ({_fmt_ratio(row, 'speedup_vs_networkx', 'networkx_lower_bound')})"
+            f"  matmul {_fmt_time(row['matmul_s'], row['matmul_lower_bound'], limits['matmul'])}s"
+            f" ({_fmt_ratio(row, 'speedup_vs_matmul', 'matmul_lower_bound')})"
+            if "networkx_s" in row
+            else ""
+        )
+    )
+
+
+def _markdown(report):
+    lines = [
+        "# Reachability benchmark: R, depth and Hasse diagram",
+        "",
+        f"Machine: {report['machine']['cpus']} CPUs, torch threads "
+        f"{report['machine']['torch_threads']}, load average at end "
+        f"{', '.join(f'{x:.1f}' for x in report['machine']['load_average_at_end'])}. "
+        f"Baselines capped at {report['baseline_time_limit_s']:.0f} s "
+        "(\">=\" marks a lower bound).",
+        "",
+        "| mask | n | ours (s) | depth | classes | Hasse edges | networkx (s) | speed-up "
+        "| matmul (s) | speed-up | agrees |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lim = r.get("_limits", {})
+        agrees = [r[k] for k in ("agrees_with_networkx", "agrees_with_matmul") if k in r]
+        nx_time = _fmt_time(r.get("networkx_s"), r.get("networkx_lower_bound"), lim.get("networkx"))
+        lines.append(
+            f"| {r['mask']} | {r['n']} | {r['ours_s']:.3f} | {r['depth']} | {r['classes']} "
+            f"| {r['hasse_edges']} "
+            f"| {nx_time} "
+            f"| {_fmt_ratio(r, 'speedup_vs_networkx', 'networkx_lower_bound')} "
+            f"| {_fmt_time(r.get('matmul_s'), r.get('matmul_lower_bound'), lim.get('matmul', 0))} "
+            f"| {_fmt_ratio(r, 'speedup_vs_matmul', 'matmul_lower_bound')} "
+            f"| {'yes' if agrees and all(agrees) else ('-' if not agrees else 'NO')} |"
+        )
+    lines += [
+        "",
+        "Growth of our time with n (slope of log time vs log n): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in report["growth_exponent_ours"].items()),
+        "",
+        "n = 8192 (target 5 s per mask): "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in report["target_n8192_seconds"].items())
+        + f"; all three {report['target_n8192_total_seconds']:.2f} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
