@@ -308,7 +308,10 @@ CHAPTER = ROOT / "chapters" / "gradient_flow.md"
     or shutil.which("jupytext", path=str(Path(sys.executable).parent)) is None,
     reason="chapter, provenance or jupytext not available",
 )
-def test_chapter_runs_at_smoke_scale(tmp_path):
+def test_chapter_runs_at_smoke_scale(tmp_path, monkeypatch):
+    # outputs go to tmp_path, not to the book's generated assets
+    monkeypatch.setenv("COMPANION_OUTPUT_DIR", str(tmp_path / "assets"))
+    monkeypatch.setenv("COMPANION_CHAPTER", "gradient_flow")
     bindir = Path(sys.executable).parent
     nb = tmp_path / "gradient_flow.ipynb"
     subprocess.run([str(bindir / "jupytext"), "--to", "ipynb", "-o", str(nb), str(CHAPTER)],
@@ -318,3 +321,7 @@ def test_chapter_runs_at_smoke_scale(tmp_path):
     papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"),
                                parameters={"scale": "smoke", "device": "cpu"},
                                cwd=str(ROOT), progress_bar=False)
+    figures = {p.stem for p in (tmp_path / "assets").rglob("*.png")}
+    assert {"gradient-flow-snapshots", "gradient-flow-slope-vs-heads",
+            "gradient-flow-energy-balance", "gradient-flow-residual-dt",
+            "gradient-flow-sign", "gradient-flow-stability"} <= figures

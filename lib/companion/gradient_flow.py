@@ -396,9 +396,10 @@ def step_quantities(
     ----------
     tokens : ``[P, n, d]`` unit vectors. weights : ``[P, H, d, d]`` symmetric.
     sign : -1 (descent, the paper) or +1 (GLPR clustering).
-    drift : ``[P, H, d, d]`` or ``[H, d, d]`` weight drift ``f_h`` at this time, or None (0).
-    sigma : noise amplitude of the weights. noise : the increment ``dW`` ``[P, H, d, d]``
-        of this step (only for the martingale increment) or None.
+    drift : ``[P, H, d, d]`` or ``[H, d, d]`` symmetric weight drift ``f_h`` at this time,
+        or None (0).
+    sigma : noise amplitude of the weights. noise : the symmetric increment ``dW``
+        ``[P, H, d, d]`` of this step (only for the martingale increment) or None.
 
     Returns
     -------
@@ -415,14 +416,17 @@ def step_quantities(
         _check_weights(weights, tokens)
         if sign not in (-1, 1):
             raise ValueError(f"sign: expected -1 or +1, got {sign!r}")
+        for name, mats in (("drift", drift), ("noise", noise)):
+            if mats is not None and (mats - mats.transpose(-1, -2)).abs().amax() > 1e-10 * (
+                    1 + mats.abs().amax()):
+                raise ValueError(f"{name}: expected symmetric matrices")
     P, n, d = tokens.shape
     H = weights.shape[1]
 
-    def per_head(mats):  # x_i^T M_h for all heads as one GEMM per path: [P, n, H, d]
+    def stack(mats):  # [P, H d, d]: rows (h, b) hold D_h[b, :]
         if mats.dim() == 3:
             mats = mats.unsqueeze(0).expand(P, -1, -1, -1)
-        cat = mats.permute(0, 2, 1, 3).reshape(P, d, H * d)  # cat[p, a, h d + b] = M_h[a, b]
-        return torch.matmul(tokens, cat).view(P, n, H, d)
+        return mats.reshape(P, H * d, d)
 
     pairs = _sym_pairs(d, tokens.device) if sigma > 0 else None
     if pairs is not None:
@@ -431,15 +435,17 @@ def step_quantities(
     else:
         values = tokens
     # Rows (i, h) of the stacked queries are D_h x_i; all heads share keys and values.
-    queries = per_head(weights)
+    cat = weights.permute(0, 2, 1, 3).reshape(P, d, H * d)  # cat[p, a, h d + b] = D_h[a, b]
+    queries = torch.matmul(tokens, cat).view(P, n, H, d)
     lse, means = _softmax_moments(queries.view(P, n * H, d), tokens, values)
     Z = (lse.view(P, n, H) - math.log(n)).exp()  # Z_ih = (1/n) sum_j U_ij^h
     means = means.view(P, n, H, -1)
     a = means[..., :d]  # a_ih: softmax mean of the tokens
     xm = (queries * a).sum(-1)  # <x_i, D_h a_ih> = <D_h x_i, a_ih>
-    stacked = weights.reshape(P, H * d, d)  # sum_h D_h a_ih as one contraction over (h, b)
-    sum_m = torch.matmul(a.reshape(P, n, H * d), stacked)
-    sum_zm = torch.matmul((Z.unsqueeze(-1) * a).reshape(P, n, H * d), stacked)
+    # sum_h M_h a_ih (M symmetric) is one contraction over (h, b): a GEMM per path.
+    za = (Z.unsqueeze(-1) * a).reshape(P, n, H * d)
+    sum_m = torch.matmul(a.reshape(P, n, H * d), stack(weights))
+    sum_zm = torch.matmul(za, stack(weights))
     vel = (sign / H) * (sum_m - xm.sum(-1, keepdim=True) * tokens)
     ghat = (sum_zm - (Z * xm).sum(-1, keepdim=True) * tokens) / H  # (1/H) sum_h Z_ih u_ih
     energy = Z.sum((1, 2)) / (2 * H * n)
@@ -447,14 +453,19 @@ def step_quantities(
     mobility = 1.0 / (1.0 / Z).mean(-1)  # b_i: harmonic mean over heads of Z_ih
     slope_sq = (mobility * (vel * vel).sum(-1)).mean(-1)
 
-    term = (per_head(drift) * a).sum(-1) if drift is not None else torch.zeros_like(Z)
+
+    def weighted_bilinear(mats):  # sum_{i,h} Z_ih x_i^T M_h a_ih, M_h symmetric: [P]
+        return (tokens * torch.matmul(za, stack(mats))).sum((1, 2))
+
+    rate = weighted_bilinear(drift) if drift is not None else torch.zeros_like(energy)
     if pairs is not None:
         mult = torch.where(pairs[0] == pairs[1], 1.0, 2.0).to(tokens.dtype)
         xx = tokens[..., pairs[0]] * tokens[..., pairs[1]] * mult  # x_i^T C x_i = <xx, c>
-        term = term + (sigma * sigma / 4.0) * (1.0 + (means[..., d:] * xx.unsqueeze(2)).sum(-1))
-    energy_rate = (Z * term).sum((1, 2)) / (2 * H * n)
+        xcx = (means[..., d:] * xx.unsqueeze(2)).sum(-1)
+        rate = rate + (sigma * sigma / 4.0) * (Z * (1.0 + xcx)).sum((1, 2))
+    energy_rate = rate / (2 * H * n)
     if noise is not None and sigma > 0:
-        mart = sigma * (Z * (per_head(noise) * a).sum(-1)).sum((1, 2)) / (2 * H * n)
+        mart = sigma * weighted_bilinear(noise) / (2 * H * n)
     else:
         mart = torch.zeros_like(energy)
     return {
@@ -747,8 +758,12 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
     ys = y.detach().to("cpu", torch.float64).reshape(-1, *y.shape[-2:]).numpy()
     out = np.empty(xs.shape[0])
     for b in range(xs.shape[0]):  # scipy's assignment solver is not batched
-        inner = np.clip(xs[b] @ ys[b].T, -1.0, 1.0)
-        c2 = np.arccos(inner) ** 2 if cost == "geodesic" else np.maximum(2 - 2 * inner, 0)
+        # |x - y| from differences, not 2 - 2<x, y>: exact 0 for equal points
+        chord = np.linalg.norm(xs[b][:, None, :] - ys[b][None, :, :], axis=-1)
+        if cost == "geodesic":
+            c2 = (2 * np.arcsin(np.clip(chord / 2, 0.0, 1.0))) ** 2  # angle, stable near 0
+        else:
+            c2 = chord**2
         r, c = linear_sum_assignment(c2)
         out[b] = math.sqrt(c2[r, c].mean())
     return torch.as_tensor(out, dtype=x.dtype).reshape(x.shape[:-2]).to(x.device)
