@@ -158,3 +158,30 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(double["losses"]), torch.tensor(single["losses"]),
                                rtol=1e-5, atol=1e-6)
     assert double["test_accuracy"] == pytest.approx(single["test_accuracy"])
+
+
+def test_padded_sbm_path_matches_sbmattention_without_padding():
+    """The padding-aware composition equals companion.sbm.SBMAttention (output, density
+    and STE gradients) when nothing is padded and the same graph is sampled."""
+    torch.manual_seed(5)
+    model = LRAClassifier(17, 16, 10, attention="sbm", num_clusters=8, dropout=0.0,
+                          dtype=torch.float64)
+    attn = model.blocks[0].attn
+    x = torch.randn(3, 16, 64, dtype=torch.float64)
+    valid = torch.ones(3, 16, dtype=torch.bool)
+    b, n = 3, 16
+    q, k, v = (attn.qkv(x).reshape(b, n, 3, 2, 32).permute(2, 0, 3, 1, 4).unbind(0))
+    results = []
+    for path in ("library", "composed"):
+        attn.zero_grad()
+        gen = torch.Generator().manual_seed(11)
+        if path == "library":
+            y, density = attn.sbm(q, k, v, generator=gen)
+        else:
+            y, density = attn._sbm_masked(q, k, v, valid, gen)
+        (y.square().sum() + density.sum()).backward(retain_graph=True)
+        results.append((y.detach(), density.detach(),
+                        attn.sbm.cluster_embeddings.grad.clone(),
+                        attn.sbm.mlp[0].weight.grad.clone()))
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)

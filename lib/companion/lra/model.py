@@ -13,8 +13,11 @@ size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters.
 The attention of every block is either
 
 - ``"sbm"``: :class:`companion.sbm.SBMAttention` (memberships, fastRG edge list,
-  edge attention, straight-through estimator); padding is excluded by zeroing the
-  memberships of padding positions, so ``P_ij = 0`` there and no edge touches them;
+  edge attention, straight-through estimator). With padding, the same computation is
+  composed here from ``companion.sbm``'s public functions with the memberships of
+  padding positions set to zero, so ``P_ij = 0`` there and no edge touches them; the
+  straight-through estimator is then :class:`_StraightThrough` on the sampled
+  ``P_e`` (gathered, ``O(E k)`` memory, where SBMAttention uses sparse products);
 - ``"dense"``: softmax attention over all non-padding keys (torch SDPA).
 
 Density of a head on one input is ``edges / (n_valid * m_valid)`` (1 for dense). A
@@ -30,15 +33,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from companion.sbm import (
-    SBMAttention,
-    edge_attention,
-    fastrg_sample,
-    sbm_parameters,
-    straight_through_mask,
-)
+from companion.sbm import SBMAttention, edge_attention, fastrg_sample, sbm_parameters
 
 ATTENTIONS = ("sbm", "dense")
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: ones (the sampled mask on its edges). Backward: ``hardtanh(grad_A)``
+    handed to the sampled edge probabilities ``P_e``, the paper's clipped STE."""
+
+    @staticmethod
+    def forward(ctx, p_edges):
+        return torch.ones_like(p_edges)
+
+    @staticmethod
+    def backward(ctx, grad_mask):
+        return F.hardtanh(grad_mask)
 
 
 class MultiHeadAttention(nn.Module):
@@ -55,8 +65,8 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, *, attention: str = "sbm",
-                 num_clusters: int = 128, duplicates: str = "merge", self_loops: bool = False,
-                 chunk_size: int | None = None, device=None, dtype=None):
+                 num_clusters: int = 128, duplicates: str = "keep", self_loops: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
@@ -65,7 +75,7 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * heads * head_dim, **factory)
         self.out = nn.Linear(heads * head_dim, dim, **factory)
         self.sbm = (SBMAttention(head_dim, heads, num_clusters, duplicates=duplicates,
-                                 self_loops=self_loops, chunk_size=chunk_size, **factory)
+                                 self_loops=self_loops, **factory)
                     if attention == "sbm" else None)
         self.record = False
         self.last_edges = None
@@ -99,9 +109,13 @@ class MultiHeadAttention(nn.Module):
         q_mem, k_mem = q_mem * keep, k_mem * keep
         edges = fastrg_sample(q_mem.detach(), s.detach(), k_mem.detach(), generator,
                               duplicates=sbm.duplicates, self_loops=sbm.self_loops)
-        weight = straight_through_mask(q_mem, s, k_mem, edges, chunk_size=sbm.chunk_size)
-        y = edge_attention(q, k, v, edges, edge_weight=weight, chunk_size=sbm.chunk_size)
-        b, h = q.shape[:2]
+        group, query, key = edges
+        h, kc = q.shape[1], q_mem.shape[-1]
+        qs = (q_mem @ s).reshape(-1, q.shape[2], kc)  # [B*H, n, k]
+        p_edges = (qs[group, query] * k_mem.reshape(-1, k.shape[2], kc)[group, key]).sum(-1)
+        weight = _StraightThrough.apply(p_edges)
+        y = edge_attention(q, k, v, edges, edge_weight=weight)
+        b = q.shape[0]
         per_group = torch.zeros(b * h, dtype=weight.dtype, device=weight.device)
         per_group = per_group.index_add(0, edges[0], weight)
         lengths = valid.sum(1).to(weight.dtype)  # [B]
@@ -143,7 +157,7 @@ class LRAClassifier(nn.Module):
     dim, heads, head_dim, ffn, num_layers, dropout, num_clusters : the architecture
         (defaults: the paper's LRA configuration).
     dual : two-tower input for Retrieval.
-    duplicates, self_loops, chunk_size : forwarded to the SBM heads.
+    duplicates, self_loops : forwarded to the SBM heads.
     device, dtype : for the parameters.
 
     Forward
@@ -163,8 +177,8 @@ class LRAClassifier(nn.Module):
                  attention: str = "sbm", dim: int = 64, heads: int = 2, head_dim: int = 32,
                  ffn: int = 128, num_layers: int = 2, dropout: float = 0.1,
                  num_clusters: int = 128, pad_id: int | None = 0, dual: bool = False,
-                 duplicates: str = "merge", self_loops: bool = False,
-                 chunk_size: int | None = None, device=None, dtype=None):
+                 duplicates: str = "keep", self_loops: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         for name, val in (("vocab_size", vocab_size), ("seq_len", seq_len),
                           ("num_classes", num_classes), ("dim", dim), ("heads", heads),
@@ -187,7 +201,7 @@ class LRAClassifier(nn.Module):
         self.blocks = nn.ModuleList(
             EncoderBlock(dim, heads, head_dim, ffn, dropout, attention=attention,
                          num_clusters=num_clusters, duplicates=duplicates,
-                         self_loops=self_loops, chunk_size=chunk_size, **factory)
+                         self_loops=self_loops, **factory)
             for _ in range(num_layers))
         self.norm = nn.LayerNorm(dim, **factory)
         width = 4 * dim if dual else dim
