@@ -1,0 +1,485 @@
+"""Training tasks, their Hasse diagrams, node equivalence and the minimal merged task
+:cite:`li2026hasse`.
+
+Definitions
+-----------
+A *task* on ``P`` positions is a triple ``(inputs, targets, mask)``:
+
+- ``inputs[p]``: the sorted tuple (a multiset) of source-token indices whose embeddings
+  are summed into position ``p``'s input. ``()`` is a pure mask token; ``(t,)`` a
+  content position carrying token ``t``; ``(k-1, k+1)`` an aggregate of neighbours.
+- ``targets[p]``: the token index that position ``p`` is trained to predict, or None.
+- ``mask``: a ``(P, P)`` bool attention mask (``mask[q, k]``: ``q`` may attend ``k``).
+
+A task's Hasse diagram (:func:`hasse_diagram`) is the Hasse diagram of its mask
+(:func:`companion.reachability.hasse_diagram`) with each node carrying ``inputs`` and
+``targets`` of its members.
+
+*Node equivalence* (the paper's Definition 3.5): two nodes, possibly of different tasks'
+diagrams, are equivalent when their input multisets are equal and their upstream
+dependency structures are isomorphic. **Choice made here**: a node's *signature* is
+``(label, multiset of the signatures of its covers)`` with ``label`` = the sorted tuple
+of its members' inputs, computed recursively and interned to integers (hash-consing).
+Equal signatures mean the upstream structures, unfolded into trees, are isomorphic and
+carry equal inputs at every node -- i.e. the two nodes compute the same function of the
+token sequence. This coincides with isomorphism of the upstream sub-DAGs whenever no
+upstream structure contains two distinct nodes with equal signatures, which holds for
+every family in this module (tested). Targets do not enter the signature: whether a
+node is supervised does not change what it computes.
+
+*Minimal merged task* (Theorem 3.7): the union of all diagrams with equivalent nodes
+identified. Each merged node expands to as many positions as its representative (first
+occurrence) has members; members are matched across occurrences by input, then by
+position; the targets of matched members are merged, and two different targets on one
+member raise ``ValueError`` (the family would ask one position to predict two tokens).
+The merged mask is *dense*: ``mask = R`` of the merged diagram (every position attends
+everything it must depend on, so one layer suffices). With ``sparse=True`` the mask keeps
+only the covering edges and full attention inside each class: the same Hasse diagram,
+reached after as many layers as the longest chain (the paper's Definition 3.8).
+**Choice made here**: positions are laid out in order of first appearance (tasks in the
+given order, positions in task order); :func:`block_two_stream` and :func:`butterfly`
+then permute to their documented layouts.
+
+The families (**choices made here**, written out in each builder) give every task's
+context the prefix/suffix structures that let tasks share nodes; with context tokens
+in one bidirectional class instead, no node would be shared and the merge would grow
+quadratically (see the chapter).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import torch
+
+from companion import masks as M
+from companion import reachability as RR
+
+__all__ = [
+    "Task",
+    "autoregressive_family",
+    "bidirectional_family",
+    "block_generation_family",
+    "block_two_stream",
+    "butterfly",
+    "hasse_diagram",
+    "leaky_bidirectional",
+    "masked_language_model",
+    "minimal_merge",
+    "node_equivalence",
+    "node_signatures",
+    "self_leakage",
+    "supervision_density",
+    "tokens_visible",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """A training task: ``inputs[p]`` (sorted token tuple), ``targets[p]`` (token or None)
+    and the ``(P, P)`` bool ``mask``. ``name`` is for display only."""
+
+    inputs: tuple
+    targets: tuple
+    mask: torch.Tensor
+    name: str = field(default="")
+
+    def __post_init__(self):
+        M.validate_mask(self.mask, "mask")
+        size = self.mask.shape[0]
+        if not isinstance(self.inputs, Sequence) or len(self.inputs) != size:
+            raise ValueError(
+                f"inputs: expected a sequence of {size} token tuples (one per mask row), "
+                f"got {len(self.inputs) if isinstance(self.inputs, Sequence) else self.inputs!r}"
+            )
+        if not isinstance(self.targets, Sequence) or len(self.targets) != size:
+            raise ValueError(
+                f"targets: expected a sequence of {size} entries (token or None), got "
+                f"{len(self.targets) if isinstance(self.targets, Sequence) else self.targets!r}"
+            )
+        clean_inputs = []
+        for p, item in enumerate(self.inputs):
+            if not isinstance(item, (tuple, list)) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0
+                for t in item
+            ):
+                raise TypeError(
+                    f"inputs[{p}]: expected a tuple of non-negative token indices, got {item!r}"
+                )
+            clean_inputs.append(tuple(sorted(int(t) for t in item)))
+        for p, t in enumerate(self.targets):
+            if t is not None and (
+                not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 0
+            ):
+                raise TypeError(f"targets[{p}]: expected a token index or None, got {t!r}")
+        object.__setattr__(self, "inputs", tuple(clean_inputs))
+        object.__setattr__(
+            self, "targets", tuple(None if t is None else int(t) for t in self.targets)
+        )
+
+    @property
+    def n_positions(self) -> int:
+        return self.mask.shape[0]
+
+    def permute(self, order: Sequence[int]) -> Task:
+        """The same task with position ``i`` of the result = position ``order[i]`` here."""
+        order = [int(i) for i in order]
+        if sorted(order) != list(range(self.n_positions)):
+            raise ValueError(f"order: expected a permutation of 0..{self.n_positions - 1}")
+        idx = torch.as_tensor(order, device=self.mask.device)
+        return Task(
+            tuple(self.inputs[i] for i in order),
+            tuple(self.targets[i] for i in order),
+            self.mask[idx][:, idx],
+            self.name,
+        )
+
+
+def _check_task(task, name="task"):
+    if not isinstance(task, Task):
+        raise TypeError(f"{name}: expected a Task, got {type(task).__name__}")
+    return task
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+# --------------------------------------------------------------------- diagrams
+def hasse_diagram(task: Task) -> nx.DiGraph:
+    """Hasse diagram of ``task.mask`` with ``inputs`` and ``targets`` on the nodes.
+
+    Node attributes: ``members`` (positions), ``inputs`` and ``targets`` (tuples aligned
+    with ``members``).
+    """
+    _check_task(task)
+    graph = RR.hasse_diagram(task.mask.cpu())
+    for v in graph:
+        members = graph.nodes[v]["members"]
+        graph.nodes[v]["inputs"] = tuple(task.inputs[p] for p in members)
+        graph.nodes[v]["targets"] = tuple(task.targets[p] for p in members)
+    return graph
+
+
+def node_signatures(tasks: Sequence[Task]) -> tuple[list[nx.DiGraph], list[dict[int, int]]]:
+    """Hasse diagram of each task and the interned signature of each of its nodes.
+
+    Signatures are integers shared across ``tasks``: equal integers = equivalent nodes.
+    Complexity: ``O(sum of diagram sizes)`` dictionary operations.
+    """
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("tasks: expected at least one Task")
+    for i, t in enumerate(tasks):
+        _check_task(t, f"tasks[{i}]")
+    table: dict = {}
+    graphs, sigs = [], []
+    for task in tasks:
+        graph = hasse_diagram(task)
+        sig: dict[int, int] = {}
+        for v in nx.topological_sort(graph):
+            label = tuple(sorted(graph.nodes[v]["inputs"]))
+            upstream = tuple(sorted(sig[u] for u in graph.predecessors(v)))
+            sig[v] = table.setdefault((label, upstream), len(table))
+        graphs.append(graph)
+        sigs.append(sig)
+    return graphs, sigs
+
+
+def node_equivalence(tasks: Sequence[Task]) -> dict[tuple[int, int], int]:
+    """Equivalence classes of the nodes of all tasks' Hasse diagrams.
+
+    Returns a dict ``(task index, node) -> class id``; class ids count up in order of
+    first appearance (tasks in order, nodes in each diagram's node order).
+    """
+    _, sigs = node_signatures(tasks)
+    renumber: dict[int, int] = {}
+    out = {}
+    for t, sig in enumerate(sigs):
+        for v in sorted(sig):
+            out[(t, v)] = renumber.setdefault(sig[v], len(renumber))
+    return out
+
+
+def _member_order(graph, v, task):
+    members = graph.nodes[v]["members"]
+    return sorted(members, key=lambda p: (task.inputs[p], p))
+
+
+def minimal_merge(tasks: Sequence[Task], *, sparse: bool = False, name: str = "") -> Task:
+    """The minimal merged task of a family (Theorem 3.7; see the module docstring).
+
+    Parameters
+    ----------
+    tasks : the family, a non-empty sequence of Task.
+    sparse : bool. False: dense mask (``mask = R``). True: covering edges plus full
+        attention inside each class (same Hasse diagram, more layers).
+    name : name of the result.
+
+    Returns
+    -------
+    Task whose Hasse diagram is the union of the family's diagrams with equivalent nodes
+    identified.
+
+    Raises
+    ------
+    ValueError
+        If two equivalent positions carry different targets.
+    """
+    tasks = list(tasks)
+    graphs, sigs = node_signatures(tasks)
+    rep: dict[int, tuple[int, int]] = {}  # signature -> (task, node) first seen
+    first_pos: dict[int, tuple[int, int]] = {}
+    merged_edges: set[tuple[int, int]] = set()
+    for t, (graph, sig) in enumerate(zip(graphs, sigs)):
+        for v in graph:
+            s = sig[v]
+            key = (t, min(graph.nodes[v]["members"]))
+            rep.setdefault(s, (t, v))
+            first_pos[s] = min(first_pos.get(s, key), key)
+        merged_edges.update((sig[u], sig[v]) for u, v in graph.edges)
+    order = sorted(rep, key=lambda s: first_pos[s])
+    # slots: for each merged class, its members' inputs (from the representative)
+    slots: dict[int, list[tuple]] = {}
+    slot_targets: dict[int, list] = {}
+    for s in order:
+        t, v = rep[s]
+        members = _member_order(graphs[t], v, tasks[t])
+        slots[s] = [tasks[t].inputs[p] for p in members]
+        slot_targets[s] = [None] * len(members)
+    for t, (graph, sig) in enumerate(zip(graphs, sigs)):
+        for v in graph:
+            s = sig[v]
+            for i, p in enumerate(_member_order(graph, v, tasks[t])):
+                target = tasks[t].targets[p]
+                if target is None:
+                    continue
+                have = slot_targets[s][i]
+                if have is not None and have != target:
+                    raise ValueError(
+                        f"tasks: equivalent positions must not predict different tokens; "
+                        f"a position with inputs {slots[s][i]} predicts both {have} and "
+                        f"{target} (task {t}, position {p})"
+                    )
+                slot_targets[s][i] = target
+    # positions and the class DAG
+    class_of_position, inputs, targets = [], [], []
+    index = {s: i for i, s in enumerate(order)}
+    for s in order:
+        for inp, tgt in zip(slots[s], slot_targets[s]):
+            class_of_position.append(index[s])
+            inputs.append(inp)
+            targets.append(tgt)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(order)))
+    dag.add_edges_from((index[a], index[b]) for a, b in merged_edges)
+    cls = torch.as_tensor(class_of_position)
+    if sparse:
+        cover = torch.zeros(len(order), len(order), dtype=torch.bool)
+        for a, b in nx.transitive_reduction(dag).edges:
+            cover[b, a] = True
+        class_mask = cover | torch.eye(len(order), dtype=torch.bool)
+    else:
+        closure = nx.transitive_closure_dag(dag)
+        class_mask = torch.eye(len(order), dtype=torch.bool)
+        for a, b in closure.edges:
+            class_mask[b, a] = True
+    mask = class_mask[cls][:, cls]
+    return Task(tuple(inputs), tuple(targets), mask, name)
+
+
+# --------------------------------------------------------------------- families
+def autoregressive_family(n: int) -> list[Task]:
+    """Tasks ``T_k`` (``k = 1..n``): predict token ``k`` from tokens ``0..k-1``.
+
+    ``T_k`` has ``k`` content positions carrying tokens ``0..k-1``; the last predicts
+    token ``k``. **Choice**: context positions are causal (each summarises its prefix),
+    so ``T_k``'s diagram is a chain and position ``j`` has the same upstream structure in
+    every task that contains it. Token indices run to ``n``: the merged task has ``n``
+    positions predicting tokens ``1..n`` (the usual next-token layout).
+    """
+    n = _check_int("n", n, 1)
+    return [
+        Task(
+            tuple((p,) for p in range(k)),
+            tuple([None] * (k - 1) + [k]),
+            M.causal(k),
+            f"AR: predict {k}",
+        )
+        for k in range(1, n + 1)
+    ]
+
+
+def block_generation_family(n: int, block: int) -> list[Task]:
+    """Tasks ``T_k`` (one per block): predict the tokens of block ``k`` in one pass.
+
+    ``n`` tokens in blocks of ``block`` (the last may be shorter). ``T_k`` has content
+    positions for the tokens of blocks ``< k`` (block-causal: each content block sees
+    itself and earlier blocks) followed by one mask token (inputs ``()``) per token of
+    block ``k``, predicting it; mask tokens attend all content and each other (full
+    connectivity inside the block), so they form one class. ``T_0`` has no content.
+    """
+    n = _check_int("n", n, 1)
+    block = _check_int("block", block, 1)
+    tasks = []
+    for k in range(math.ceil(n / block)):
+        c = k * block
+        b = min(n, c + block) - c
+        size = c + b
+        mask = torch.zeros(size, size, dtype=torch.bool)
+        if c:
+            mask[:c, :c] = M.block_causal(c, block)
+        mask[c:, :] = True
+        tasks.append(
+            Task(
+                tuple([(p,) for p in range(c)] + [()] * b),
+                tuple([None] * c + list(range(c, c + b))),
+                mask,
+                f"block {k}",
+            )
+        )
+    return tasks
+
+
+def _neighbour_aggregate(k: int, n: int) -> tuple[int, ...]:
+    return tuple(t for t in (k - 1, k + 1) if 0 <= t < n)
+
+
+def bidirectional_family(n: int) -> list[Task]:
+    """Tasks ``T_k`` (``k = 0..n-1``): predict token ``k`` from every other token.
+
+    ``T_k`` has a forward chain of content positions for tokens ``0..k-1`` (causal), a
+    backward chain for tokens ``k+1..n-1`` (each sees itself and later tokens), and one
+    prediction position whose input is the aggregate of its neighbours' tokens
+    ``(k-1, k+1)`` (never token ``k``), attending every context position. **Choice**:
+    the context is two chains rather than one bidirectional class, so that prefixes and
+    suffixes are shared across tasks.
+    """
+    n = _check_int("n", n, 2)
+    tasks = []
+    for k in range(n):
+        f, b = k, n - 1 - k
+        size = f + b + 1
+        mask = torch.zeros(size, size, dtype=torch.bool)
+        if f:
+            mask[:f, :f] = M.causal(f)
+        if b:
+            mask[f : f + b, f : f + b] = M.causal(b).T  # backward chain: tokens >= own
+        mask[-1, :] = True
+        inputs = [(t,) for t in range(k)] + [(t,) for t in range(k + 1, n)]
+        inputs.append(_neighbour_aggregate(k, n))
+        tasks.append(
+            Task(tuple(inputs), tuple([None] * (f + b) + [k]), mask, f"predict {k}")
+        )
+    return tasks
+
+
+# ---------------------------------------------------------------- derived tasks
+def block_two_stream(n: int, block: int) -> Task:
+    """Block two-stream attention: the minimal merge of :func:`block_generation_family`.
+
+    Layout (as :func:`companion.masks.block_two_stream_mask`): content positions for the
+    tokens of blocks ``0..K-2`` in token order, then ``n`` mask-token positions, the
+    ``t``-th predicting token ``t``. The last block's content is absent: no prediction
+    reads it, so the minimal merge drops it (the common ``2n`` layout appends it).
+    """
+    merged = minimal_merge(block_generation_family(n, block), name="block two-stream")
+    content = sorted(
+        (p for p in range(merged.n_positions) if merged.inputs[p]), key=lambda p: merged.inputs[p]
+    )
+    masked = sorted(
+        (p for p in range(merged.n_positions) if not merged.inputs[p]),
+        key=lambda p: merged.targets[p],
+    )
+    return merged.permute(content + masked)
+
+
+def butterfly(n: int) -> Task:
+    """Butterfly attention: the minimal merge of :func:`bidirectional_family`.
+
+    Layout (as :func:`companion.masks.butterfly_mask`): forward chain (tokens
+    ``0..n-2``), backward chain (tokens ``1..n-1``), then ``n`` prediction positions, the
+    ``k``-th predicting token ``k`` from the aggregate ``(k-1, k+1)`` and seeing every
+    other token. Supervision density 1.0 and no self-leakage.
+    """
+    merged = minimal_merge(bidirectional_family(n), name="butterfly")
+    seen = tokens_visible(merged)
+    forward, backward, predict = [], [], []
+    for p in range(merged.n_positions):
+        if merged.targets[p] is not None:
+            predict.append(p)
+            continue
+        (t,) = merged.inputs[p]
+        (forward if seen[p] == set(range(t + 1)) else backward).append(p)
+    forward.sort(key=lambda p: merged.inputs[p])
+    backward.sort(key=lambda p: merged.inputs[p])
+    predict.sort(key=lambda p: merged.targets[p])
+    return merged.permute(forward + backward + predict)
+
+
+def masked_language_model(
+    n: int, rate: float = 0.15, *, generator: torch.Generator | None = None
+) -> Task:
+    """BERT-style masked LM on ``n`` tokens: ``round(rate * n)`` positions (at least one)
+    chosen at random get a mask token (inputs ``()``) and predict their token; the mask is
+    bidirectional. (The 80/10/10 replacement rule is left out: it does not change which
+    tokens are supervised.)"""
+    n = _check_int("n", n, 1)
+    if not 0.0 < float(rate) <= 1.0:
+        raise ValueError(f"rate: expected a fraction in (0, 1], got {rate!r}")
+    count = max(1, round(rate * n))
+    chosen = set(torch.randperm(n, generator=generator)[:count].tolist())
+    return Task(
+        tuple(() if p in chosen else (p,) for p in range(n)),
+        tuple(p if p in chosen else None for p in range(n)),
+        M.bidirectional(n),
+        "masked LM",
+    )
+
+
+def leaky_bidirectional(n: int) -> Task:
+    """Counter-example: every position carries and predicts its own token, and the mask
+    is bidirectional with an empty diagonal. The residual connection carries each
+    position's own input to its output, so an empty diagonal stops nothing: every
+    position leaks, at every depth."""
+    n = _check_int("n", n, 2)
+    mask = M.bidirectional(n) & ~torch.eye(n, dtype=torch.bool)
+    return Task(tuple((p,) for p in range(n)), tuple(range(n)), mask, "zero-diagonal BERT")
+
+
+# ---------------------------------------------------------------------- metrics
+def tokens_visible(task: Task, layers: int | None = None) -> list[set[int]]:
+    """Tokens each position can read: through the limit ``R`` (``layers=None``) or
+    through ``A^layers``."""
+    _check_task(task)
+    mask = task.mask.cpu()
+    R = RR.reachability_limit(mask)[0] if layers is None else RR.reachability(mask, layers)
+    return RR.tokens_reached(R, task.inputs)
+
+
+def supervision_density(task: Task) -> float:
+    """Fraction of the task's tokens (all indices in ``inputs`` or ``targets``) that are
+    some position's target."""
+    _check_task(task)
+    tokens = {t for inp in task.inputs for t in inp} | {t for t in task.targets if t is not None}
+    if not tokens:
+        return 0.0
+    return len({t for t in task.targets if t is not None}) / len(tokens)
+
+
+def self_leakage(task: Task, layers: int | None = None) -> tuple[int, ...]:
+    """Positions whose own target token can reach them (through ``R``, or ``A^layers``).
+
+    Empty for a task that never lets a prediction see the token it predicts.
+    """
+    seen = tokens_visible(task, layers)
+    return tuple(
+        p for p, t in enumerate(task.targets) if t is not None and t in seen[p]
+    )
