@@ -141,15 +141,18 @@ def test_merge_is_idempotent_and_minimal():
 
 
 def test_context_as_one_class_shares_nothing():
-    """With each task's context in one bidirectional class, no node is shared."""
+    """With each task's context in one bidirectional class (and a mask token predicting
+    the next token), no node is shared: the merge keeps every task whole."""
     n = 5
     family = []
     for k in range(1, n + 1):
-        mask = torch.ones(k, k, dtype=torch.bool)
-        mask[:-1, -1] = False
-        family.append(T.Task(tuple((p,) for p in range(k)), (None,) * (k - 1) + (k,), mask))
+        mask = torch.ones(k + 1, k + 1, dtype=torch.bool)
+        mask[:k, k] = False  # the context does not see the mask token
+        inputs = tuple((p,) for p in range(k)) + ((),)
+        family.append(T.Task(inputs, (None,) * k + (k,), mask))
     merged = T.minimal_merge(family)
-    assert merged.n_positions == sum(range(1, n + 1))
+    assert merged.n_positions == sum(k + 1 for k in range(1, n + 1))
+    assert T.self_leakage(merged) == ()
 
 
 def test_conflicting_targets_raise():
