@@ -6,7 +6,7 @@ Given queries ``q_i``, keys ``k_j``, values ``v_j`` and a list of edges ``e = (g
 (``g`` the flat batch*head index), edge attention computes for every query ``i`` of
 every group ``g``
 
-    s_e = w_e' <q_i, k_j> / sqrt(d)      (score of edge e),
+    s_e = <q_i, k_j> / sqrt(d)      (score of edge e),
     a_e = w_e exp(s_e) / sum_{f in row(i)} w_f exp(s_f),
     out_i = sum_{e in row(i)} a_e v_j,
 
@@ -17,161 +17,202 @@ softmax attention.
 
 Algorithm
 ---------
-Segment softmax: scores per edge, the row maximum by ``scatter_reduce('amax')``,
-``exp``, row sums and weighted values by ``index_add``.  Edges are processed in chunks,
-so only ``chunk x d`` gathered rows exist at a time, and a custom autograd function
-recomputes the gathers in backward, keeping one number per edge (the normalised
-attention weight) between forward and backward.  The backward uses the identity
-``sum_e a_e <dout_i, v_j> = <dout_i, out_i>`` for the softmax correction, as
-FlashAttention does.
+Segment softmax on the CSR form of the edge list (rows ``g n + i``, columns ``g m + j``):
+scores by a sampled dense-dense product (``torch.sparse.sampled_addmm``, SDDMM), row
+maxima and sums by ``segment_reduce``, ``exp``, and the output by a sparse-dense
+product (SpMM).  No ``[E, d]`` tensor of gathered rows is ever formed.  A custom
+autograd function keeps one number per edge (the normalised attention weight) for the
+backward, which recomputes with SDDMM/SpMM passes; the softmax correction uses
+``sum_e a_e <dout_i, v_j> = <dout_i, out_i>``, as FlashAttention does.  Gradients of
+keys and values use the transposed CSR, built by a linear-time radix sort.
 
 Complexity
 ----------
-Time ``O(E d)``; memory ``O(E + G (n + m) d + chunk d)`` for ``E`` edges, ``G`` groups:
-two or three numbers per edge on top of the caller's index tensors.
+Time ``O(E d)`` (plus ``O(E)`` radix passes); memory ``O(E + G (n + m) d)`` for ``E``
+edges over ``G`` groups: a few numbers per edge, in forward and backward.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 __all__ = ["edge_attention", "dense_masked_attention"]
 
-# scratch per chunk is a few (chunk x d) tensors; this many gathered numbers per chunk
-_CHUNK_NUMBERS = 1 << 19
+
+def _stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
+    """Stable argsort of nonnegative int64 ``keys < bound``.
+
+    On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
+    16-bit keys (linear time; about ten times faster here than ``torch.sort`` for
+    millions of keys).  Elsewhere: ``torch.sort(stable=True)`` (a radix sort on CUDA).
+    """
+    if keys.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64, device=keys.device)
+    if keys.device.type != "cpu":
+        return torch.sort(keys, stable=True).indices
+    import numpy as np
+
+    values = keys.numpy()
+    bits = max(1, (max(int(bound), 2) - 1).bit_length())
+    perm = None
+    for shift in range(0, bits, 16):
+        digits = ((values if perm is None else values[perm]) >> shift) & 0xFFFF
+        order = np.argsort(digits.astype(np.uint16), kind="stable")
+        perm = order if perm is None else perm[order]
+    return torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
 
 
-def _default_chunk(width: int) -> int:
-    return max(1024, _CHUNK_NUMBERS // max(1, width))
+class EdgeGraph:
+    """CSR view of an edge list over ``G`` groups: row ``g n + i``, column ``g m + j``.
 
+    Built once per sampled graph and shared by the attention and the straight-through
+    estimator.  Edges already sorted by ``(group, query)`` (as :func:`fastrg_sample`
+    returns them) are used as they are; otherwise ``order`` holds the stable row-major
+    permutation (``sorted[e] = given[order[e]]``).  The transposed (column-major) CSR,
+    needed for gradients of keys and values, is built on first use.
 
-def _chunks(num_edges: int, chunk: int):
-    for start in range(0, num_edges, chunk):
-        yield slice(start, min(start + chunk, num_edges))
+    Memory: two int64 per edge (one more pair once transposed) and ``O(G (n + m))``.
+    """
 
+    def __init__(self, group, query, key, num_groups, n, m):
+        self.num_groups, self.n, self.m = num_groups, n, m
+        self.num_rows, self.num_cols = num_groups * n, num_groups * m
+        self.num_edges = group.numel()
+        device = group.device
+        row = group * n + query
+        self.order = None
+        if self.num_edges > 1 and not bool((row[1:] >= row[:-1]).all()):
+            self.order = _stable_argsort(row, self.num_rows)
+            row = row[self.order]
+            self.col = (group * m + key)[self.order]
+        else:
+            self.col = group * m + key
+        self.counts = torch.bincount(row, minlength=self.num_rows)
+        del row
+        self.crow = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=device)
+        torch.cumsum(self.counts, 0, out=self.crow[1:])
+        self._transpose = None
 
-def _rows(group, query, key, n, m, sl):
-    """Flat row (query) and column (key) indices of the edges in slice ``sl``."""
-    g = group[sl]
-    return g * n + query[sl], g * m + key[sl]
+    def spread(self, per_row: torch.Tensor) -> torch.Tensor:
+        """``[rows]`` -> ``[E]``: the value of each edge's row."""
+        return per_row.repeat_interleave(self.counts, output_size=self.num_edges)
+
+    def row_reduce(self, values: torch.Tensor, reduce: str) -> torch.Tensor:
+        """``[E]`` -> ``[rows]`` by ``reduce`` ("sum" or "max"); empty rows give 0 / -inf."""
+        return torch.segment_reduce(values, reduce, lengths=self.counts, unsafe=True)
+
+    def matrix(self, values: torch.Tensor) -> torch.Tensor:
+        """The ``[G n, G m]`` sparse CSR matrix with ``values`` on the edges."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(
+                self.crow,
+                self.col,
+                values,
+                size=(self.num_rows, self.num_cols),
+                check_invariants=False,
+            )
+
+    def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
+        """The transposed ``[G m, G n]`` CSR matrix with ``values`` (given row-major)."""
+        if self._transpose is None:
+            perm = _stable_argsort(self.col, self.num_cols)
+            counts_t = torch.bincount(self.col, minlength=self.num_cols)
+            crow_t = torch.zeros(self.num_cols + 1, dtype=torch.int64, device=self.col.device)
+            torch.cumsum(counts_t, 0, out=crow_t[1:])
+            rows = torch.arange(self.num_rows, device=self.col.device)
+            row_t = rows.repeat_interleave(self.counts, output_size=self.num_edges)[perm]
+            self._transpose = (perm, crow_t, row_t)
+        perm, crow_t, row_t = self._transpose
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(
+                crow_t,
+                row_t,
+                values[perm],
+                size=(self.num_cols, self.num_rows),
+                check_invariants=False,
+            )
+
+    def sddmm(self, x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``[E]``: ``alpha <x[row_e], y[col_e]>`` for every edge (sampled dense-dense
+        matmul, no ``[E, d]`` gather)."""
+        pattern = self.matrix(torch.zeros(self.num_edges, dtype=x.dtype, device=x.device))
+        return torch.sparse.sampled_addmm(pattern, x, y.t(), beta=0.0, alpha=alpha).values()
 
 
 class _EdgeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, weight, group, query, key, scale, chunk):
-        num_groups, n, _ = q.shape
-        m = k.shape[1]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        q2 = q.reshape(num_groups * n, -1)
-        k2 = k.reshape(num_groups * m, -1)
-        v2 = v.reshape(num_groups * m, -1)
-        num_rows, num_edges = q2.shape[0], group.numel()
-        device = q.device
-
-        # pass 1: scores and row maxima
-        scores = torch.empty(num_edges, dtype=acc, device=device)
-        row_max = torch.full((num_rows,), -math.inf, dtype=acc, device=device)
-        for sl in _chunks(num_edges, chunk):
-            r, c = _rows(group, query, key, n, m, sl)
-            s = (q2[r].to(acc) * k2[c].to(acc)).sum(-1).mul_(scale)
-            scores[sl] = s
-            row_max.scatter_reduce_(0, r, s, "amax", include_self=True)
-
-        # pass 2: exp, row sums, unnormalised outputs (scores become exp(s - max))
-        row_sum = torch.zeros(num_rows, dtype=acc, device=device)
-        out = torch.zeros(num_rows, v2.shape[1], dtype=acc, device=device)
-        for sl in _chunks(num_edges, chunk):
-            r, c = _rows(group, query, key, n, m, sl)
-            e = scores[sl].sub_(row_max[r]).exp_()
-            if weight is not None:
-                e = e * weight[sl].to(acc)
-            row_sum.index_add_(0, r, e)
-            out.index_add_(0, r, e[:, None] * v2[c].to(acc))
-        del row_max
-        inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
-        out.mul_(inv[:, None])
-        # normalised unweighted weights u_e = exp(s_e - max) / Z, a_e = w_e u_e
-        for sl in _chunks(num_edges, chunk):
-            r, _ = _rows(group, query, key, n, m, sl)
-            scores[sl] *= inv[r]
-        out_cast = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, weight, group, query, key, scores, out)
-        ctx.scale, ctx.chunk = scale, chunk
-        return out_cast.reshape(num_groups, n, -1)
+    def forward(ctx, q2, k2, v2, weight, graph, scale):
+        acc = torch.promote_types(q2.dtype, torch.float32)
+        qa, ka, va = q2.to(acc), k2.to(acc), v2.to(acc)
+        if graph.num_edges == 0:
+            out = torch.zeros(q2.shape[0], v2.shape[1], dtype=acc, device=q2.device)
+            u = torch.zeros(0, dtype=acc, device=q2.device)
+        else:
+            scores = graph.sddmm(qa, ka, alpha=scale)
+            row_max = graph.row_reduce(scores, "max")
+            u = scores.sub_(graph.spread(row_max)).exp_()  # exp(s - max) <= 1
+            del row_max
+            weighted = u if weight is None else u * weight.to(acc)
+            row_sum = graph.row_reduce(weighted, "sum")
+            del weighted
+            inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
+            u.mul_(graph.spread(inv))  # u_e = exp(s_e - max) / Z, a_e = w_e u_e
+            a = u if weight is None else u * weight.to(acc)
+            out = graph.matrix(a) @ va
+            del a
+        ctx.save_for_backward(q2, k2, v2, weight, u, out)
+        ctx.graph, ctx.scale = graph, scale
+        return out.to(q2.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, weight, group, query, key, u, out = ctx.saved_tensors
-        scale, chunk = ctx.scale, ctx.chunk
-        num_groups, n, _ = q.shape
-        m = k.shape[1]
+        q2, k2, v2, weight, u, out = ctx.saved_tensors
+        graph, scale = ctx.graph, ctx.scale
         acc = u.dtype
-        q2 = q.reshape(num_groups * n, -1)
-        k2 = k.reshape(num_groups * m, -1)
-        v2 = v.reshape(num_groups * m, -1)
-        go = grad_out.reshape(num_groups * n, -1).to(acc)
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        # softmax correction per row: sum_e a_e <dout_i, v_j> = <dout_i, out_i>
-        row_dot = (go * out).sum(-1)
-        grad_q = torch.zeros(q2.shape, dtype=acc, device=q.device) if need_q else None
-        grad_k = torch.zeros(k2.shape, dtype=acc, device=q.device) if need_k else None
-        grad_v = torch.zeros(v2.shape, dtype=acc, device=q.device) if need_v else None
-        grad_w = torch.zeros(u.shape, dtype=acc, device=q.device) if need_w else None
-        for sl in _chunks(u.numel(), chunk):
-            r, c = _rows(group, query, key, n, m, sl)
-            go_r = go[r]
-            a = u[sl] if weight is None else u[sl] * weight[sl].to(acc)
-            if need_v:
-                grad_v.index_add_(0, c, a[:, None] * go_r)
-            if not (need_q or need_k or need_w):
-                continue
-            grad_a = (go_r * v2[c].to(acc)).sum(-1)
-            del go_r
+        if graph.num_edges == 0:
+            return (
+                torch.zeros_like(q2) if need_q else None,
+                torch.zeros_like(k2) if need_k else None,
+                torch.zeros_like(v2) if need_v else None,
+                torch.zeros_like(weight) if need_w else None,
+                None,
+                None,
+            )
+        qa, ka, va = q2.to(acc), k2.to(acc), v2.to(acc)
+        go = grad_out.to(acc).contiguous()
+        w = None if weight is None else weight.to(acc)
+        grad_q = grad_k = grad_v = grad_w = None
+        if need_v:
+            a = u if w is None else u * w
+            grad_v = (graph.matrix_t(a) @ go).to(v2.dtype)
+            del a
+        if need_q or need_k or need_w:
+            # softmax correction per row: sum_e a_e <dout_i, v_j> = <dout_i, out_i>
+            row_dot = (go * out).sum(-1)
+            grad_a = graph.sddmm(go, va)
             # d a_f / d w_e = u_e (delta_ef - a_f)  =>  dL/dw_e = u_e (grad_a_e - row_dot_i)
-            gw = u[sl] * (grad_a - row_dot[r])
+            gw = grad_a.sub_(graph.spread(row_dot)).mul_(u)
             if need_w:
-                grad_w[sl] = gw
-            if need_q or need_k:
-                gs = gw if weight is None else gw * weight[sl].to(acc)
-                gs = gs * scale
-                if need_q:
-                    grad_q.index_add_(0, r, gs[:, None] * k2[c].to(acc))
-                if need_k:
-                    grad_k.index_add_(0, c, gs[:, None] * q2[r].to(acc))
-        grad_q = None if grad_q is None else grad_q.to(q.dtype).reshape(q.shape)
-        grad_k = None if grad_k is None else grad_k.to(k.dtype).reshape(k.shape)
-        grad_v = None if grad_v is None else grad_v.to(v.dtype).reshape(v.shape)
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        return grad_q, grad_k, grad_v, grad_w, None, None, None, None, None
+                grad_w = gw.to(weight.dtype)
+            gs = gw * scale if w is None else gw * w * scale  # dL/ds_e = w_e dL/dw_e
+            if need_q:
+                grad_q = (graph.matrix(gs) @ ka).to(q2.dtype)
+            if need_k:
+                grad_k = (graph.matrix_t(gs) @ qa).to(k2.dtype)
+        return grad_q, grad_k, grad_v, grad_w, None, None
 
 
-def _edge_pair_grads(x, y, group, query, key, coef, chunk, *, need_x=True, need_y=True):
-    """Gradients of ``sum_e coef_e <x[g, i], y[g, j]>``: ``grad_x[g, i] += coef_e y[g, j]``
-    and ``grad_y[g, j] += coef_e x[g, i]``, in chunks (an SpMM with the edge list).
-
-    ``x``: ``[G, n, w]``, ``y``: ``[G, m, w]``, ``coef``: ``[E]``.
-    """
-    num_groups, n, width = x.shape
-    m = y.shape[1]
-    chunk = chunk or _default_chunk(width)
-    x2 = x.reshape(num_groups * n, width)
-    y2 = y.reshape(num_groups * m, width)
-    grad_x = torch.zeros_like(x2) if need_x else None
-    grad_y = torch.zeros_like(y2) if need_y else None
-    coef = coef.to(x.dtype)
-    for sl in _chunks(coef.numel(), chunk):
-        r, c = _rows(group, query, key, n, m, sl)
-        if need_x:
-            grad_x.index_add_(0, r, coef[sl, None] * y2[c])
-        if need_y:
-            grad_y.index_add_(0, c, coef[sl, None] * x2[r])
-    return (
-        None if grad_x is None else grad_x.reshape(x.shape),
-        None if grad_y is None else grad_y.reshape(y.shape),
-    )
+def _edge_attention_on_graph(q2, k2, v2, graph, edge_weight, scale):
+    """Edge attention on flat ``[G n, d]``, ``[G m, d]``, ``[G m, d_v]`` rows, with
+    ``edge_weight`` already in the graph's row-major order."""
+    return _EdgeAttention.apply(q2, k2, v2, edge_weight, graph, scale)
 
 
 def _check_edges(edges, num_groups, n, m, device):
@@ -209,7 +250,6 @@ def edge_attention(
     *,
     edge_weight: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its own list of keys (segment softmax).
 
@@ -225,7 +265,6 @@ def edge_attention(
         weights are ``w_e exp(s_e)`` normalised per query; the straight-through mask of
         :class:`companion.sbm.SBMAttention` enters here.
     scale : score scale, default ``1 / sqrt(d)``.
-    chunk_size : edges per chunk (default: about ``2^19 / d``); smaller saves memory.
 
     Returns
     -------
@@ -267,20 +306,16 @@ def edge_attention(
             raise TypeError("edge_weight: expected a floating-point tensor on q's device")
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if chunk_size is None:
-        chunk_size = _default_chunk(max(d, v.shape[-1]))
-    elif not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    out = _EdgeAttention.apply(
-        q.reshape(num_groups, n, d),
-        k.reshape(num_groups, m, d),
-        v.reshape(num_groups, m, v.shape[-1]),
+    graph = EdgeGraph(group, query, key, num_groups, n, m)
+    if edge_weight is not None and graph.order is not None:
+        edge_weight = edge_weight[graph.order]
+    out = _edge_attention_on_graph(
+        q.reshape(num_groups * n, d),
+        k.reshape(num_groups * m, d),
+        v.reshape(num_groups * m, v.shape[-1]),
+        graph,
         edge_weight,
-        group,
-        query,
-        key,
         float(scale),
-        chunk_size,
     )
     return out.reshape(*batch_shape, n, v.shape[-1])
 

@@ -25,16 +25,18 @@ Public API: :func:`sbm_parameters`, :func:`edge_probabilities`, :func:`fastrg_sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from companion.edge_attention import (
-    _check_edges,
+    EdgeGraph,
+    _edge_attention_on_graph,
+    _stable_argsort,
     dense_masked_attention,
     edge_attention,
-    _edge_pair_grads,
 )
 
 __all__ = [
@@ -42,7 +44,6 @@ __all__ = [
     "edge_probabilities",
     "fastrg_sample",
     "edge_attention",
-    "straight_through_mask",
     "SBMAttention",
     "density_regularizer",
     "dense_masked_attention",
@@ -158,22 +159,29 @@ def fastrg_sample(
     k_membership: torch.Tensor,
     generator: torch.Generator | None = None,
     *,
-    duplicates: str = "merge",
+    duplicates: str = "keep",
     self_loops: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample the bipartite graph ``A ~ Qhat S Khat^T`` with fastRG, as an edge list.
 
-    Algorithm (Rohe et al., 2018), for each group (one batch element and head):
+    fastRG (Rohe et al., 2018) draws ``E ~ Poisson(sum P)`` edges, each with a cluster
+    pair ``(a, b) ~ S~ / sum S~`` (``S~ = diag(colsum Qhat) S diag(colsum Khat)``) and
+    endpoints ``i ~ Qhat[:, a] / colsum``, ``j ~ Khat[:, b] / colsum``.  The edge counts
+    ``N_ij`` are then independent Poisson(``P_ij``).  We draw the same law in query-major
+    order, so that edges come out sorted by ``(group, query)`` (the CSR order
+    :func:`edge_attention` works in) without a sort:
 
-    1. ``S~ = diag(colsum Qhat) S diag(colsum Khat)``; ``X~``/``Y~`` are the columns of
-       ``Qhat``/``Khat`` normalised into distributions over queries/keys.
-    2. Draw the number of edges ``E ~ Poisson(sum S~)`` (``sum S~ = sum P``).
-    3. For every edge independently draw a cluster pair ``(a, b) ~ S~ / sum S~``, a query
-       ``i ~ X~[:, a]`` and a key ``j ~ Y~[:, b]``.
+    1. ``t = S colsum(Khat)``.  The edges whose query is ``i`` and whose first cluster
+       is ``a`` number ``N_ia ~ Poisson(Qhat_ia t_a)``, independently (Poisson
+       splitting: ``sum N_ia ~ Poisson(sum P)``, and given the total the edges are
+       i.i.d. with ``(i, a)`` distributed as in fastRG);
+    2. each such edge draws ``b ~ S_ab colsum_b(Khat)``;
+    3. then its key ``j ~ Khat[:, b] / colsum_b(Khat)``.
 
-    Every step is vectorised over all edges of all groups (inverse-CDF look-ups with
-    ``searchsorted``); no ``n x m`` tensor is ever formed.  The result is a Poisson
-    multigraph whose count matrix ``N`` satisfies ``E[N_ij] = P_ij`` exactly.
+    Then ``Pr[edge = (i, j)] = sum_ab Qhat_ia S_ab Khat_jb / sum P = P_ij / sum P``, as in
+    fastRG.  Steps 2 and 3 are inverse-CDF look-ups, batched over all edges of all
+    groups (``searchsorted`` on tiles of draws grouped by table row); no ``n x m``
+    tensor is ever formed.
 
     Parameters
     ----------
@@ -181,21 +189,23 @@ def fastrg_sample(
     s : ``[k, k]`` (one group), or ``[H, k, k]`` / ``[B, H, k, k]`` (batch), nonnegative.
     k_membership : ``[m, k]`` or ``[B, H, m, k]``, nonnegative and finite.
     generator : optional ``torch.Generator`` on the memberships' device.
-    duplicates : ``"merge"`` (default) or ``"keep"``.
-        ``"keep"`` returns the multigraph as drawn: a pair ``(i, j)`` drawn ``c`` times
-        appears ``c`` times (``E[count] = P_ij``; attention then weighs that key ``c``
-        times).  ``"merge"`` keeps one copy of every drawn pair, so ``A`` is a 0/1 mask
-        with ``Pr[A_ij = 1] = 1 - exp(-P_ij)`` (``= P_ij - P_ij^2 / 2 + ...``, the
-        simple-graph version of fastRG); edges come back sorted by
-        ``(group, query, key)``.
-    self_loops : if True (requires ``n == m``), every query ``i`` is also given the edge
-        ``(i, i)``, so no query is left without an edge.  If False (default) a query may
-        receive no edge; :func:`edge_attention` then returns a zero output row for it.
+    duplicates : ``"keep"`` (default) or ``"merge"``.
+        ``"keep"`` returns the Poisson multigraph as drawn: a pair drawn ``c`` times
+        appears ``c`` times, ``E[count_ij] = P_ij`` exactly, and attention weighs that
+        key ``c`` times (duplicates are rare where ``P`` is small: ``Pr[c >= 2] <=
+        P_ij^2 / 2``).  ``"merge"`` keeps one copy of each drawn pair, so ``A`` is a 0/1
+        mask with ``Pr[A_ij = 1] = 1 - exp(-P_ij)`` (the simple-graph fastRG), at the
+        price of a linear-time radix sort; edges come sorted by ``(group, query, key)``.
+    self_loops : if True (requires ``n == m``), every query ``i`` also gets the edge
+        ``(i, i)`` (once, appended in order), so no query is left without an edge.  If
+        False (default) a query may get no edge; :func:`edge_attention` then returns a
+        zero output row for it.
 
     Returns
     -------
     group, query, key : int64 tensors of equal length ``E``, one entry per edge, on the
-        memberships' device.  ``group`` is the flat index ``b * H + h`` (0 for one group).
+        memberships' device, sorted by ``(group, query)``.  ``group`` is the flat index
+        ``b * H + h`` (0 for one group).
 
     Raises
     ------
@@ -205,8 +215,8 @@ def fastrg_sample(
 
     Complexity
     ----------
-    Time ``O(E log(k n) + G (n + m) k + G k^2)`` and memory ``O(E + G (n + m) k)`` for
-    ``G`` groups and ``E`` edges (plus ``O(E log E)`` for the sort of ``"merge"``).
+    Time ``O(E log(m k) + G (n + m) k + G k^2)``, memory ``O(E + G (n + m) k + G k^2)``
+    for ``G`` groups and ``E`` edges (radix sorts are linear).
     """
     if duplicates not in DUPLICATE_POLICIES:
         raise ValueError(f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}")
@@ -226,95 +236,144 @@ def fastrg_sample(
         qm = qm.detach().to(torch.float64)
         km = km.detach().to(torch.float64)
         sg = sg.detach().to(torch.float64)
-        q_mass = qm.sum(1)  # [G, k]
-        k_mass = km.sum(1)
-        block = q_mass[:, :, None] * sg * k_mass[:, None, :]  # S~, [G, k, k]
-        rates = block.sum((1, 2))
-        if not bool(torch.isfinite(rates).all()):
+        k_mass = km.sum(1)  # colsum Khat, [G, k]
+        to_keys = sg * k_mass[:, None, :]  # S_ab colsum_b, [G, k, k]
+        t = to_keys.sum(2)  # [G, k]
+        q_weight = qm * t[:, None, :]  # Qhat_ia t_a, [G, n, k]
+        if not bool(torch.isfinite(q_weight.sum()).all()):
             raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
-        counts = torch.poisson(rates, generator=generator).to(torch.int64)
-        group = torch.repeat_interleave(torch.arange(num_groups, device=device), counts)
-        num_edges = group.numel()
-
-        # cluster pair per edge: one inverse-CDF table of k^2 entries per group
-        pair = _sample_rows(block.reshape(num_groups, kc * kc), group, generator)
-        a = torch.div(pair, kc, rounding_mode="floor")
-        b = pair - a * kc
-        del pair
-        # endpoints: row (g, a) of the k distributions over queries of group g, etc.
-        query = _sample_blocked(qm, group, a, generator)
-        del a
-        key = _sample_blocked(km, group, b, generator)
-        del b
+        # Poisson splitting: edges with query i and first cluster a are Poisson(Qhat_ia t_a),
+        # independently; enumerating the cells in order sorts edges by (group, query, a).
+        counts = torch.poisson(q_weight.reshape(-1), generator=generator).to(torch.int64)
+        del q_weight
+        num_edges = int(counts.sum())
+        cell = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=device), counts, output_size=num_edges
+        )
+        del counts
+        row = torch.div(cell, kc, rounding_mode="floor")
+        cluster_a = cell - row * kc
+        del cell
+        group = torch.div(row, n, rounding_mode="floor")
+        query = row - group * n
+        del row
+        cluster_b = _sample_grouped(to_keys, group, cluster_a, generator)
+        del cluster_a
+        key = _sample_grouped(km.transpose(1, 2), group, cluster_b, generator)
+        del cluster_b
 
         if self_loops:
-            loops = torch.arange(n, device=device)
-            group = torch.cat([group, torch.arange(num_groups, device=device).repeat_interleave(n)])
-            query = torch.cat([query, loops.repeat(num_groups)])
-            key = torch.cat([key, loops.repeat(num_groups)])
-        if duplicates == "merge" and group.numel() > 0:
+            group, query, key = _append_self_loops(group, query, key, num_groups, n)
+        if duplicates == "merge" and group.numel() > 1:
             code = (group * n + query) * m + key
-            code = torch.unique(code, sorted=True)
+            code = code[_stable_argsort(code, num_groups * n * m)]
+            code = torch.unique_consecutive(code)
             key = code % m
             code = torch.div(code, m, rounding_mode="floor")
             query = code % n
             group = torch.div(code, n, rounding_mode="floor")
-        del num_edges
+    return group, query, key
+
+
+def _append_self_loops(group, query, key, num_groups, n):
+    """Insert the edge ``(g, i, i)`` after the sampled edges of every query, keeping the
+    ``(group, query)`` order."""
+    device = group.device
+    loops = torch.arange(num_groups * n, device=device)
+    row = torch.cat([group * n + query, loops])
+    order = _stable_argsort(row, num_groups * n)
+    group = torch.cat([group, torch.div(loops, n, rounding_mode="floor")])[order]
+    query = torch.cat([query, loops % n])[order]
+    key = torch.cat([key, loops % n])[order]
     return group, query, key
 
 
 def _sample_rows(
     weights: torch.Tensor, row: torch.Tensor, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """For every entry ``r`` of ``row`` draw a column index ``c`` with
-    ``Pr[c] = weights[r, c] / sum(weights[r])`` (inverse CDF, float64).
+    """For every entry ``r`` of ``row`` draw a column ``c`` with
+    ``Pr[c] = weights[r, c] / sum(weights[r])`` (inverse CDF in float64).
 
-    The CDF rows are offset by their row index and flattened into one sorted array, so a
-    single ``searchsorted`` serves all rows.  Rows with zero total are never requested
-    (they have no edges) and get a uniform table to keep the array sorted.
+    The draws are grouped by row (a radix sort) and laid out in tiles of ``W`` (the
+    table width) draws per row, each tile next to a copy of its row's CDF, so that one
+    batched ``searchsorted`` over ``[tiles, W]`` answers all of them with local,
+    cache-friendly searches.  Tiles cost ``W`` numbers per ``W`` draws (plus one tile per
+    row): memory stays ``O(E + rows x W)``; tiles are processed in blocks.
     """
     num_rows, width = weights.shape
+    device = weights.device
+    num_draws = row.numel()
     total = weights.sum(1, keepdim=True)
     empty = total <= 0
     probs = torch.where(empty, 1.0 / width, weights / torch.where(empty, 1.0, total))
-    cdf = probs.cumsum(1).clamp_(max=1.0)
+    del total, empty
+    # last column with positive mass: guards against u rounding onto the final step
+    last = width - 1 - (probs > 0).flip(1).to(torch.int8).argmax(1)
+    cdf = probs.cumsum_(1).clamp_(max=1.0)
     cdf[:, -1] = 1.0
-    # last column with positive mass: guards against g + u rounding up to g + 1
-    positive = probs > 0
-    last = width - 1 - positive.flip(1).to(torch.int8).argmax(1)
-    offsets = torch.arange(num_rows, device=weights.device, dtype=torch.float64)
-    cdf += offsets[:, None]
-    u = torch.rand(row.numel(), generator=generator, device=weights.device, dtype=torch.float64)
-    u += row
-    flat = torch.searchsorted(cdf.reshape(-1), u, right=True)
-    del u
-    col = flat - row * width
-    return torch.minimum(col, last[row])
+
+    order = None
+    if num_draws > 1 and not bool((row[1:] >= row[:-1]).all()):
+        order = _stable_argsort(row, num_rows)
+        row = row[order]
+    counts = torch.bincount(row, minlength=num_rows)
+    row_start = torch.cumsum(counts, 0) - counts
+    tiles_per_row = torch.div(counts + width - 1, width, rounding_mode="floor")
+    tile_start = torch.cumsum(tiles_per_row, 0) - tiles_per_row
+    rank = torch.arange(num_draws, device=device) - row_start[row]
+    # flat slot of each draw in the [tiles, W] layout (tiles of one row are consecutive)
+    slot = (tile_start[row] + torch.div(rank, width, rounding_mode="floor")) * width
+    slot += rank % width
+    del rank, row_start
+    num_tiles = int(tiles_per_row.sum())
+    tile_row = torch.repeat_interleave(
+        torch.arange(num_rows, device=device), tiles_per_row, output_size=num_tiles
+    )
+    u = torch.rand(num_draws, generator=generator, device=device, dtype=torch.float64)
+    col = torch.empty_like(row)
+    tiles_per_block = max(1, _CDF_BLOCK_ENTRIES // 8 // width)
+    tile_bounds = list(range(0, num_tiles, tiles_per_block)) + [num_tiles]
+    slot_bounds = torch.tensor(tile_bounds, device=device) * width
+    edge_bounds = torch.searchsorted(slot, slot_bounds).tolist()
+    for t0, t1, e0, e1 in zip(tile_bounds, tile_bounds[1:], edge_bounds, edge_bounds[1:]):
+        flat = slot[e0:e1] - t0 * width
+        values = torch.full(((t1 - t0) * width,), 2.0, dtype=torch.float64, device=device)
+        values[flat] = u[e0:e1]  # padding 2.0 lies beyond every CDF
+        found = torch.searchsorted(
+            cdf[tile_row[t0:t1]], values.reshape(t1 - t0, width), right=True
+        ).reshape(-1)
+        col[e0:e1] = found[flat]
+        del values, found, flat
+    col = torch.minimum(col, last[row])
+    if order is not None:
+        unsorted = torch.empty_like(col)
+        unsorted[order] = col
+        col = unsorted
+    return col
 
 
-def _sample_blocked(
-    membership: torch.Tensor,
+def _sample_grouped(
+    weights: torch.Tensor,
     group: torch.Tensor,
-    cluster: torch.Tensor,
+    row: torch.Tensor,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Draw node ``i ~ membership[g, :, a] / colsum`` for every edge ``(g, a)``.
+    """For every edge ``e`` draw ``c ~ weights[group_e, row_e, :]`` (normalised).
 
-    ``group`` is sorted (edges come grouped), so blocks of groups map to contiguous
-    slices of edges; each block builds one ``[groups * k, nodes]`` CDF table.
+    ``weights`` is ``[G, rows, width]``; ``group`` is sorted, so blocks of groups map to
+    contiguous slices of edges and each block builds one CDF table of at most
+    ``_CDF_BLOCK_ENTRIES`` float64 entries.
     """
-    num_groups, nodes, kc = membership.shape
+    num_groups, rows, width = weights.shape
     out = torch.empty_like(group)
-    per_block = max(1, _CDF_BLOCK_ENTRIES // max(1, nodes * kc))
+    per_block = max(1, _CDF_BLOCK_ENTRIES // max(1, rows * width))
     firsts = list(range(0, num_groups, per_block)) + [num_groups]
     starts = torch.searchsorted(group, torch.tensor(firsts, device=group.device)).tolist()
-    bounds = [(firsts[i], firsts[i + 1], starts[i], starts[i + 1]) for i in range(len(firsts) - 1)]
-    for g0, g1, e0, e1 in bounds:
+    for g0, g1, e0, e1 in zip(firsts[:-1], firsts[1:], starts[:-1], starts[1:]):
         if e1 == e0:
             continue
-        table = membership[g0:g1].transpose(1, 2).reshape((g1 - g0) * kc, nodes)
-        row = (group[e0:e1] - g0) * kc + cluster[e0:e1]
-        out[e0:e1] = _sample_rows(table, row, generator)
+        table = weights[g0:g1].reshape((g1 - g0) * rows, width)
+        out[e0:e1] = _sample_rows(table, (group[e0:e1] - g0) * rows + row[e0:e1], generator)
     return out
 
 
@@ -322,54 +381,28 @@ def _sample_blocked(
 # straight-through estimator and the attention head
 # ---------------------------------------------------------------------------------------
 class _StraightThroughMask(torch.autograd.Function):
-    """Forward: ones on the sampled edges.  Backward: ``hardtanh`` of the incoming edge
-    gradient, routed to ``P_e = <(Qhat S)_i, Khat_j>`` without ever evaluating ``P``."""
+    """Forward: ones on the sampled edges.  Backward: ``grad_P = hardtanh(grad_A)`` on
+    the sampled edges, routed to ``P_e = <(Qhat S)_i, Khat_j>`` by two sparse-dense
+    products, without ever evaluating ``P``."""
 
     @staticmethod
-    def forward(ctx, qs, km, group, query, key, chunk_size):
-        ctx.save_for_backward(qs, km, group, query, key)
-        ctx.chunk_size = chunk_size
-        return torch.ones(group.numel(), dtype=qs.dtype, device=qs.device)
+    def forward(ctx, qs2, km2, graph):
+        ctx.save_for_backward(qs2, km2)
+        ctx.graph = graph
+        return torch.ones(graph.num_edges, dtype=qs2.dtype, device=qs2.device)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_mask):
-        qs, km, group, query, key = ctx.saved_tensors
-        grad_p = torch.nn.functional.hardtanh(grad_mask)
-        grad_qs, grad_km = _edge_pair_grads(
-            qs,
-            km,
-            group,
-            query,
-            key,
-            grad_p,
-            ctx.chunk_size,
-            need_x=ctx.needs_input_grad[0],
-            need_y=ctx.needs_input_grad[1],
-        )
-        return grad_qs, grad_km, None, None, None, None
-
-
-def straight_through_mask(
-    q_membership: torch.Tensor,
-    s: torch.Tensor,
-    k_membership: torch.Tensor,
-    edges: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """The sampled mask ``A`` on its edges (all ones) with the straight-through backward.
-
-    Forward returns ``ones(E)``.  Backward maps the gradient ``grad_A`` on the sampled
-    edges to ``grad_P = hardtanh(A * grad_A)`` and back-propagates it through
-    ``P_ij = (Qhat S)_i . Khat_j`` to the memberships and ``s``, as the paper's STE does;
-    entries of ``P`` that were not sampled receive no gradient.
-
-    Complexity: ``O(E k)`` time in backward, ``O(E + (n + m) k)`` memory.
-    """
-    qm, sg, km, _ = _groups(q_membership, s, k_membership)
-    group, query, key = _check_edges(edges, qm.shape[0], qm.shape[1], km.shape[1], qm.device)
-    qs = qm @ sg.to(qm.dtype)
-    return _StraightThroughMask.apply(qs, km, group, query, key, chunk_size)
+        qs2, km2 = ctx.saved_tensors
+        graph = ctx.graph
+        grad_p = torch.nn.functional.hardtanh(grad_mask).to(qs2.dtype)
+        grad_qs = grad_km = None
+        if ctx.needs_input_grad[0]:
+            grad_qs = graph.matrix(grad_p) @ km2
+        if ctx.needs_input_grad[1]:
+            grad_km = graph.matrix_t(grad_p) @ qs2
+        return grad_qs, grad_km, None
 
 
 class SBMAttention(nn.Module):
@@ -378,23 +411,28 @@ class SBMAttention(nn.Module):
     Holds the cluster embeddings ``[H, k, d]`` and the shared MLP; :meth:`forward`
     computes memberships (:func:`sbm_parameters`), samples ``A`` with
     :func:`fastrg_sample`, attends on the sampled edges (:func:`edge_attention`) and
-    back-propagates through the sampling with the straight-through estimator
-    (:func:`straight_through_mask`).
+    back-propagates through the sampling with the straight-through estimator: the
+    gradient ``grad_A`` on the sampled entries becomes ``grad_P = hardtanh(A * grad_A)``
+    and flows to ``P = Qhat S Khat^T``; unsampled entries get none.  ``P`` is never
+    formed: its gradient is pushed to ``Qhat S`` and ``Khat`` by sparse products.
 
     Parameters
     ----------
     head_dim : head size ``d``.
     num_heads : ``H``.
     num_clusters : ``k`` (128 in the paper's LRA runs).
-    duplicates, self_loops : forwarded to :func:`fastrg_sample`.  With ``self_loops``
-        the forced loops are part of ``A`` and the STE passes gradient through them too.
-    chunk_size : edges per chunk in :func:`edge_attention` (None: automatic).
+    duplicates : forwarded to :func:`fastrg_sample`.  With ``"keep"`` (default) each copy
+        of a pair drawn ``c`` times is one edge of weight one, so that pair passes
+        ``c * hardtanh(grad_A)`` (with ``grad_A`` the gradient of its multiplicity);
+        with ``"merge"`` ``A`` is 0/1 and the rule is exactly ``hardtanh(A * grad_A)``.
+    self_loops : forwarded to :func:`fastrg_sample`; the forced loops are part of ``A``
+        and the STE passes gradient through them too.
     device, dtype : for the parameters.
 
     Complexity
     ----------
-    ``O(E (d + k) + (n + m) k d)`` time and ``O(E + (n + m)(d + k))`` memory per head, for
-    ``E`` sampled edges; no ``n x m`` tensor is formed.
+    ``O(E (d + k) + (n + m) k (d + k))`` time and ``O(E + (n + m)(d + k))`` memory per
+    head for ``E`` sampled edges; no ``n x m`` tensor is formed.
     """
 
     def __init__(
@@ -403,18 +441,14 @@ class SBMAttention(nn.Module):
         num_heads: int,
         num_clusters: int,
         *,
-        duplicates: str = "merge",
+        duplicates: str = "keep",
         self_loops: bool = False,
-        chunk_size: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        for name, val in (
-            ("head_dim", head_dim),
-            ("num_heads", num_heads),
-            ("num_clusters", num_clusters),
-        ):
+        sizes = (("head_dim", head_dim), ("num_heads", num_heads), ("num_clusters", num_clusters))
+        for name, val in sizes:
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name}: expected a positive int, got {val!r}")
         if duplicates not in DUPLICATE_POLICIES:
@@ -423,7 +457,7 @@ class SBMAttention(nn.Module):
             )
         factory = {"device": device, "dtype": dtype}
         self.head_dim, self.num_heads, self.num_clusters = head_dim, num_heads, num_clusters
-        self.duplicates, self.self_loops, self.chunk_size = duplicates, self_loops, chunk_size
+        self.duplicates, self.self_loops = duplicates, self_loops
         self.cluster_embeddings = nn.Parameter(
             torch.empty(num_heads, num_clusters, head_dim, **factory)
         )
@@ -465,13 +499,25 @@ class SBMAttention(nn.Module):
             duplicates=self.duplicates,
             self_loops=self.self_loops,
         )
-        mask = straight_through_mask(
-            q_membership, s, k_membership, edges, chunk_size=self.chunk_size
-        )
-        out = edge_attention(q, k, v, edges, edge_weight=mask, chunk_size=self.chunk_size)
         batch, heads, n = q.shape[:3]
         m = k.shape[2]
-        per_group = torch.zeros(batch * heads, dtype=mask.dtype, device=mask.device)
+        num_groups = batch * heads
+        graph = EdgeGraph(*edges, num_groups, n, m)  # sampler output is row-sorted
+        qs = q_membership @ s  # [B, H, n, k]
+        mask = _StraightThroughMask.apply(
+            qs.reshape(num_groups * n, -1), k_membership.reshape(num_groups * m, -1), graph
+        )
+        if v.shape[:3] != (batch, heads, m):
+            raise ValueError(f"v: expected [{batch}, {heads}, {m}, d_v], got {tuple(v.shape)}")
+        out = _edge_attention_on_graph(
+            q.reshape(num_groups * n, -1),
+            k.reshape(num_groups * m, -1),
+            v.reshape(num_groups * m, -1),
+            graph,
+            mask,
+            1.0 / math.sqrt(self.head_dim),
+        ).reshape(batch, heads, n, -1)
+        per_group = torch.zeros(num_groups, dtype=mask.dtype, device=mask.device)
         per_group = per_group.index_add(0, edges[0], mask)
         density = (per_group / (n * m)).reshape(batch, heads)
         if return_edges:
