@@ -180,8 +180,7 @@ def fastrg_sample(
 
     Then ``Pr[edge = (i, j)] = sum_ab Qhat_ia S_ab Khat_jb / sum P = P_ij / sum P``, as in
     fastRG.  Steps 2 and 3 are inverse-CDF look-ups, batched over all edges of all
-    groups (``searchsorted`` on tiles of draws grouped by table row); no ``n x m``
-    tensor is ever formed.
+    groups (one ``searchsorted`` per step); no ``n x m`` tensor is ever formed.
 
     Parameters
     ----------
@@ -294,62 +293,41 @@ def _sample_rows(
     """For every entry ``r`` of ``row`` draw a column ``c`` with
     ``Pr[c] = weights[r, c] / sum(weights[r])`` (inverse CDF in float64).
 
-    The draws are grouped by row (a radix sort) and laid out in tiles of ``W`` (the
-    table width) draws per row, each tile next to a copy of its row's CDF, so that one
-    batched ``searchsorted`` over ``[tiles, W]`` answers all of them with local,
-    cache-friendly searches.  Tiles cost ``W`` numbers per ``W`` draws (plus one tile per
-    row): memory stays ``O(E + rows x W)``; tiles are processed in blocks.
+    The CDF rows are offset by their row index and flattened into one sorted array, so a
+    single ``searchsorted`` serves all rows.  Rows with zero total are never requested
+    (they have no edges) and get a uniform table to keep the array sorted.  On CPU the
+    draws are searched in sorted order (numpy narrows each search from the previous
+    one, so the table is walked once) and the answers put back in draw order: several
+    times faster here than torch's random-order search.
     """
     num_rows, width = weights.shape
     device = weights.device
-    num_draws = row.numel()
     total = weights.sum(1, keepdim=True)
     empty = total <= 0
     probs = torch.where(empty, 1.0 / width, weights / torch.where(empty, 1.0, total))
     del total, empty
-    # last column with positive mass: guards against u rounding onto the final step
+    # last column with positive mass: guards against r + u rounding up to r + 1
     last = width - 1 - (probs > 0).flip(1).to(torch.int8).argmax(1)
     cdf = probs.cumsum_(1).clamp_(max=1.0)
     cdf[:, -1] = 1.0
+    cdf += torch.arange(num_rows, device=device, dtype=torch.float64)[:, None]
+    flat_cdf = cdf.reshape(-1)
+    u = torch.rand(row.numel(), generator=generator, device=device, dtype=torch.float64)
+    u += row
+    if device.type == "cpu" and u.numel() > 1:
+        import numpy as np
 
-    order = None
-    if num_draws > 1 and not bool((row[1:] >= row[:-1]).all()):
-        order = _stable_argsort(row, num_rows)
-        row = row[order]
-    counts = torch.bincount(row, minlength=num_rows)
-    row_start = torch.cumsum(counts, 0) - counts
-    tiles_per_row = torch.div(counts + width - 1, width, rounding_mode="floor")
-    tile_start = torch.cumsum(tiles_per_row, 0) - tiles_per_row
-    rank = torch.arange(num_draws, device=device) - row_start[row]
-    # flat slot of each draw in the [tiles, W] layout (tiles of one row are consecutive)
-    slot = (tile_start[row] + torch.div(rank, width, rounding_mode="floor")) * width
-    slot += rank % width
-    del rank, row_start
-    num_tiles = int(tiles_per_row.sum())
-    tile_row = torch.repeat_interleave(
-        torch.arange(num_rows, device=device), tiles_per_row, output_size=num_tiles
-    )
-    u = torch.rand(num_draws, generator=generator, device=device, dtype=torch.float64)
-    col = torch.empty_like(row)
-    tiles_per_block = max(1, _CDF_BLOCK_ENTRIES // 8 // width)
-    tile_bounds = list(range(0, num_tiles, tiles_per_block)) + [num_tiles]
-    slot_bounds = torch.tensor(tile_bounds, device=device) * width
-    edge_bounds = torch.searchsorted(slot, slot_bounds).tolist()
-    for t0, t1, e0, e1 in zip(tile_bounds, tile_bounds[1:], edge_bounds, edge_bounds[1:]):
-        flat = slot[e0:e1] - t0 * width
-        values = torch.full(((t1 - t0) * width,), 2.0, dtype=torch.float64, device=device)
-        values[flat] = u[e0:e1]  # padding 2.0 lies beyond every CDF
-        found = torch.searchsorted(
-            cdf[tile_row[t0:t1]], values.reshape(t1 - t0, width), right=True
-        ).reshape(-1)
-        col[e0:e1] = found[flat]
-        del values, found, flat
-    col = torch.minimum(col, last[row])
-    if order is not None:
-        unsorted = torch.empty_like(col)
-        unsorted[order] = col
-        col = unsorted
-    return col
+        values = u.numpy()
+        order = np.argsort(values)
+        found_sorted = np.searchsorted(flat_cdf.numpy(), values[order], side="right")
+        found = np.empty_like(found_sorted)
+        found[order] = found_sorted
+        col = torch.from_numpy(found.astype(np.int64, copy=False))
+    else:
+        col = torch.searchsorted(flat_cdf, u, right=True)
+    del u, cdf, flat_cdf
+    col -= row * width
+    return torch.minimum(col, last[row])
 
 
 def _sample_grouped(
