@@ -58,6 +58,7 @@ from companion.masks import validate_mask
 
 __all__ = [
     "OrderStructure",
+    "condensation_graph",
     "draw_hasse",
     "draw_mask",
     "format_members",
@@ -572,6 +573,23 @@ def hasse_diagram(mask: torch.Tensor, *, method: str = "auto") -> nx.DiGraph:
     ``graph.graph["n_positions"]`` holds ``n``.
     """
     return order_structure(mask, method=method, compute_depth=False).hasse
+
+
+def condensation_graph(mask: torch.Tensor) -> nx.DiGraph:
+    """The quotient of the mask graph by its classes (before transitive reduction).
+
+    Same nodes (ids, ``members``) as :func:`hasse_diagram`; an edge ``a -> b`` whenever
+    some position of class ``b`` attends some position of class ``a`` (``a != b``).
+    For drawing the pipeline mask -> R -> condensation -> Hasse diagram.
+    """
+    result = order_structure(mask, compute_depth=False)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(result.hasse.nodes(data=True))
+    labels = result.labels.cpu()
+    q, k = torch.nonzero(mask.cpu(), as_tuple=True)
+    pairs = {(int(a), int(b)) for a, b in zip(labels[k], labels[q]) if int(a) != int(b)}
+    graph.add_edges_from(sorted(pairs))
+    return graph
 
 
 def tokens_reached(R: torch.Tensor, inputs) -> list[set[int]]:
