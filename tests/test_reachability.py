@@ -219,3 +219,17 @@ def test_cuda_matmul_matches_cpu_bitset():
     assert R_gpu.device.type == "cuda" and torch.equal(R_gpu.cpu(), R_cpu) and d_gpu == d_cpu
     with pytest.raises(ValueError, match="bitset"):
         RR.reachability_limit(mask.cuda(), method="bitset")
+
+
+def test_condensation_graph_matches_networkx():
+    for mask in _random_masks()[::2]:
+        ours = RR.condensation_graph(mask)
+        n = mask.shape[0]
+        g = nx.DiGraph()
+        g.add_nodes_from(range(n))
+        qs, ks = torch.nonzero(mask, as_tuple=True)
+        g.add_edges_from((int(k), int(q)) for q, k in zip(qs, ks) if int(q) != int(k))
+        ref = nx.condensation(g)
+        for v in ref:
+            ref.nodes[v]["members"] = tuple(sorted(ref.nodes[v]["members"]))
+        assert _members_graph(ours) == _members_graph(ref)
