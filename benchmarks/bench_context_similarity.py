@@ -42,7 +42,7 @@ def bare_forward(model, wins, batch_size):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 windows, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="32 windows, 2 repeats")
     parser.add_argument("--windows", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's default)")
     args = parser.parse_args(argv)
-    n_windows = args.windows or (64 if args.quick else 256)
-    repeats = args.repeats or (3 if args.quick else 5)
+    n_windows = args.windows or (32 if args.quick else 160)
+    repeats = args.repeats or (2 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -67,8 +67,7 @@ def main(argv=None) -> int:
         "post_wo": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
                                           where="post_wo", progress=False),
     }
-    for f in runs.values():  # warm-up (allocator, kernels, page cache)
-        f() if f is runs["bare"] else None
+    runs["bare"]()  # warm-up (allocator, kernels, page cache)
     runs["full"]()
     times = {name: [] for name in runs}
     for r in range(repeats):
