@@ -647,16 +647,19 @@ def draw_hasse(
     node_color="#cfe2f3",
     node_size=600,
     font_size=8,
+    connectionstyle="arc3",
 ):
     """Draw a Hasse diagram on ``ax`` with :func:`hasse_layout` (arrows = information flow).
 
-    ``labels``: dict node -> text (default: compact member ranges).
+    ``labels``: dict node -> text (default: compact member ranges). ``connectionstyle``:
+    matplotlib's, e.g. ``"arc3,rad=0.5"`` to bend edges that would overlap a chain.
     """
     pos = hasse_layout(graph) if pos is None else pos
     if labels is None:
         labels = {v: format_members(graph.nodes[v].get("members", (v,))) for v in graph}
     nx.draw_networkx_edges(
-        graph, pos, ax=ax, arrows=True, arrowsize=10, node_size=node_size, edge_color="#555555"
+        graph, pos, ax=ax, arrows=True, arrowsize=10, node_size=node_size,
+        edge_color="#555555", connectionstyle=connectionstyle,
     )
     nx.draw_networkx_nodes(
         graph, pos, ax=ax, node_color=node_color, node_size=node_size, edgecolors="#333333"
