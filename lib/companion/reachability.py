@@ -350,9 +350,9 @@ def _adjacency(keys: np.ndarray, values: np.ndarray, n: int) -> _Adjacency:
     width = int(counts.max()) if counts.size else 0
     table = None
     if width and width <= 2 * counts.mean() + 2:
-        table = np.full((n, width), n, dtype=np.int64)
+        table = np.full((n, width), n, dtype=np.int32)  # int32 halves the gather traffic
         table[keys, np.arange(keys.size) - ptr[keys]] = values
-    return _Adjacency(ptr, values, table)
+    return _Adjacency(ptr, values.astype(np.int32), table)
 
 
 def _neighbours(adj: _Adjacency, nodes: np.ndarray):
@@ -398,20 +398,26 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
     out_adj = _adjacency(k_idx, q_idx, n)
     in_adj = _adjacency(q_idx, k_idx, n)
     stride = n + 1
-    frontier_words = np.zeros((n_blocks * stride, kw), dtype=np.uint64)
-    visited = np.zeros((n_blocks * stride, kw), dtype=np.uint64)
+    if n_blocks * stride >= 2**31:  # pragma: no cover - n > 2**20 is out of scope
+        raise ValueError(f"mask: n = {n} is too large for the bitset depth search")
+    shape = (n_blocks * stride,) if kw == 1 else (n_blocks * stride, kw)
+    frontier_words = np.zeros(shape, dtype=np.uint64)
+    visited = np.zeros(shape, dtype=np.uint64)
     marks = np.zeros(n_blocks * stride, dtype=bool)
     dummies = np.arange(n_blocks) * stride + n
     sources = np.arange(n)
     local = sources % group
-    front = (sources // group) * stride + sources
+    front = ((sources // group) * stride + sources).astype(np.int32)
     words = np.zeros((n, kw), dtype=np.uint64)
     words[sources, local >> 6] = np.left_shift(np.uint64(1), (local & 63).astype(np.uint64))
+    if kw == 1:
+        words = words[:, 0]
     visited[front] = words
     level = 0
+    stride32 = np.int32(stride)
     while front.size:
         frontier_words[front] = words
-        block_base = (front // stride) * stride
+        block_base = (front // stride32) * stride32
         receivers, counts = _neighbours(out_adj, front - block_base)
         if counts is None:
             receivers = receivers + block_base[:, None]
@@ -419,9 +425,9 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
             receivers = receivers + np.repeat(block_base, counts)
         marks[receivers.ravel()] = True
         marks[dummies] = False
-        cand = np.flatnonzero(marks)
+        cand = np.flatnonzero(marks).astype(np.int32)
         marks[cand] = False
-        cand_base = (cand // stride) * stride
+        cand_base = (cand // stride32) * stride32
         senders, counts = _neighbours(in_adj, cand - cand_base)
         if counts is None:
             gathered = frontier_words[senders + cand_base[:, None]]
@@ -431,7 +437,7 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
             new = np.bitwise_or.reduceat(gathered, np.cumsum(counts) - counts, axis=0)
         new &= ~visited[cand]
         frontier_words[front] = 0
-        keep = new.any(axis=1)
+        keep = new != 0 if kw == 1 else new.any(axis=1)
         front, words = cand[keep], new[keep]
         if front.size:
             visited[front] |= words
