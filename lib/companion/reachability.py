@@ -32,9 +32,13 @@ Algorithms
    ``c``; the edge ``u -> c`` is a covering edge, so ``reach[c] |= reach[u]``; repeat
    until every in-neighbour is known. Cost ``O((C + H) * C / 64)`` word operations for
    ``C`` classes and ``H`` Hasse edges, plus one pass over the mask;
-3. depth: ``0`` if ``R = I``, ``1`` if ``A = R`` (dense masks: one comparison, no product),
-   otherwise breadth-first search from blocks of 256 sources at once (each node carries
-   a 256-bit word of "reached by source s"), cost ``O(n/256 * sum_levels frontier edges)``.
+3. depth: ``0`` if ``R = I``, ``1`` if ``A = R`` (dense masks: one popcount comparison,
+   no product), otherwise a bit-parallel breadth-first search from all sources at once:
+   sources are grouped in blocks of ``64 w`` (``w`` words per node, chosen from the
+   mask's bandwidth), every (block, node) pair carries the bit set of the block's
+   sources that reached it, and all blocks advance in lockstep, one Python iteration per
+   BFS level. Cost ``O(sum over levels of frontier edges * w)`` word operations: about
+   ``n * L* * width * 2`` for a sliding window, ``O(E n / 64)`` in the worst case.
 
 ``method="matmul"`` (any device, the default for CUDA tensors) squares ``A`` repeatedly
 with float matrix products on the mask's device (exact for ``n < 2**24``), finds the
