@@ -103,6 +103,21 @@ def test_chunked_fallback_matches_fused_kernel(monkeypatch):
         torch.testing.assert_close(fused[key], chunked[key], rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(12)
+    x = gf.uniform_sphere(40, 3, g, paths=2)
+    D = gf.initial_weights(8, 3, g, paths=2)
+    cpu = gf.step_quantities(x, D, sigma=1.0, drift=D)
+    gpu = gf.step_quantities(x.cuda(), D.cuda(), sigma=1.0, drift=D.cuda())
+    for key in ("velocity", "energy", "energy_rate", "slope_sq", "dissipation"):
+        torch.testing.assert_close(gpu[key].cpu(), cpu[key], rtol=1e-10, atol=1e-12)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    traj = gf.simulate(x.cuda(), D.cuda(), gf.OrnsteinUhlenbeck(), T=0.2, dt=0.01,
+                       generator=gen)
+    assert traj.positions.device.type == "cuda"
+
+
 def test_velocity_is_tangent_and_tokens_stay_on_sphere():
     g = torch.Generator().manual_seed(3)
     x = gf.octahedral_tokens(30, paths=2, generator=g)
