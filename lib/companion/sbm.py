@@ -55,6 +55,8 @@ DUPLICATE_POLICIES = ("merge", "keep")
 # fastRG looks up one inverse-CDF table of (rows x nodes) float64 entries at a time; groups
 # are processed in blocks so that this table stays below this many entries.
 _CDF_BLOCK_ENTRIES = 1 << 24
+# draws searched per block on CPU (sorted in blocks: bounded scratch, cache-friendly)
+_SEARCH_BLOCK = 1 << 18
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,21 +168,21 @@ def fastrg_sample(
 
     fastRG (Rohe et al., 2018) draws ``E ~ Poisson(sum P)`` edges, each with a cluster
     pair ``(a, b) ~ S~ / sum S~`` (``S~ = diag(colsum Qhat) S diag(colsum Khat)``) and
-    endpoints ``i ~ Qhat[:, a] / colsum``, ``j ~ Khat[:, b] / colsum``.  The edge counts
-    ``N_ij`` are then independent Poisson(``P_ij``).  We draw the same law in query-major
-    order, so that edges come out sorted by ``(group, query)`` (the CSR order
-    :func:`edge_attention` works in) without a sort:
+    endpoints ``i ~ Qhat[:, a] / colsum``, ``j ~ Khat[:, b] / colsum``: a Poisson process
+    on ``(i, a, b, j)`` with intensity ``Qhat_ia S_ab Khat_jb``, whose edge counts
+    ``N_ij`` are independent Poisson(``P_ij``).  We draw the same process in
+    query-major order, so that edges come out sorted by ``(group, query)`` (the CSR
+    order :func:`edge_attention` works in) without a sort:
 
-    1. ``t = S colsum(Khat)``.  The edges whose query is ``i`` and whose first cluster
-       is ``a`` number ``N_ia ~ Poisson(Qhat_ia t_a)``, independently (Poisson
-       splitting: ``sum N_ia ~ Poisson(sum P)``, and given the total the edges are
-       i.i.d. with ``(i, a)`` distributed as in fastRG);
-    2. each such edge draws ``b ~ S_ab colsum_b(Khat)``;
-    3. then its key ``j ~ Khat[:, b] / colsum_b(Khat)``.
+    1. Poisson splitting over ``(i, b)`` with ``a`` summed out: the edges whose query is
+       ``i`` and whose key cluster is ``b`` number ``N_ib ~ Poisson((Qhat S)_ib
+       colsum_b(Khat))``, independently (``sum N_ib ~ Poisson(sum P)``, and given the
+       total the edges are i.i.d. with ``(i, b)`` distributed as in fastRG);
+    2. each such edge draws its key ``j ~ Khat[:, b] / colsum_b(Khat)``.
 
     Then ``Pr[edge = (i, j)] = sum_ab Qhat_ia S_ab Khat_jb / sum P = P_ij / sum P``, as in
-    fastRG.  Steps 2 and 3 are inverse-CDF look-ups, batched over all edges of all
-    groups (one ``searchsorted`` per step); no ``n x m`` tensor is ever formed.
+    fastRG.  Step 2 is an inverse-CDF look-up batched over all edges of all groups;
+    no ``n x m`` tensor is ever formed.
 
     Parameters
     ----------
@@ -214,8 +216,8 @@ def fastrg_sample(
 
     Complexity
     ----------
-    Time ``O(E log(m k) + G (n + m) k + G k^2)``, memory ``O(E + G (n + m) k + G k^2)``
-    for ``G`` groups and ``E`` edges (radix sorts are linear).
+    Time ``O(E log(m k) + G (n + m) k + G n k^2)`` (the last term one GEMM, ``Qhat S``),
+    memory ``O(E + G (n + m) k + G k^2)`` for ``G`` groups and ``E`` edges.
     """
     if duplicates not in DUPLICATE_POLICIES:
         raise ValueError(f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}")
@@ -236,13 +238,13 @@ def fastrg_sample(
         km = km.detach().to(torch.float64)
         sg = sg.detach().to(torch.float64)
         k_mass = km.sum(1)  # colsum Khat, [G, k]
-        to_keys = sg * k_mass[:, None, :]  # S_ab colsum_b, [G, k, k]
-        t = to_keys.sum(2)  # [G, k]
-        q_weight = qm * t[:, None, :]  # Qhat_ia t_a, [G, n, k]
+        # expected number of edges with query i whose key comes from cluster b:
+        # sum_a Qhat_ia S_ab colsum_b(Khat), one GEMM
+        q_weight = torch.bmm(qm, sg).mul_(k_mass[:, None, :])  # [G, n, k]
         if not bool(torch.isfinite(q_weight.sum()).all()):
             raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
-        # Poisson splitting: edges with query i and first cluster a are Poisson(Qhat_ia t_a),
-        # independently; enumerating the cells in order sorts edges by (group, query, a).
+        # Poisson splitting: the edges of each (query, key cluster) cell are independent
+        # Poisson counts; enumerating the cells in order sorts edges by (group, query, b).
         counts = torch.poisson(q_weight.reshape(-1), generator=generator).to(torch.int64)
         del q_weight
         num_edges = int(counts.sum())
@@ -251,13 +253,11 @@ def fastrg_sample(
         )
         del counts
         row = torch.div(cell, kc, rounding_mode="floor")
-        cluster_a = cell - row * kc
+        cluster_b = cell - row * kc
         del cell
         group = torch.div(row, n, rounding_mode="floor")
         query = row - group * n
         del row
-        cluster_b = _sample_grouped(to_keys, group, cluster_a, generator)
-        del cluster_a
         key = _sample_grouped(km.transpose(1, 2), group, cluster_b, generator)
         del cluster_b
 
@@ -317,12 +317,13 @@ def _sample_rows(
     if device.type == "cpu" and u.numel() > 1:
         import numpy as np
 
-        values = u.numpy()
-        order = np.argsort(values)
-        found_sorted = np.searchsorted(flat_cdf.numpy(), values[order], side="right")
-        found = np.empty_like(found_sorted)
-        found[order] = found_sorted
-        col = torch.from_numpy(found.astype(np.int64, copy=False))
+        table = flat_cdf.numpy()
+        col = torch.empty(u.numel(), dtype=torch.int64)
+        found = col.numpy()
+        for start in range(0, u.numel(), _SEARCH_BLOCK):  # bounded scratch memory
+            values = u[start : start + _SEARCH_BLOCK].numpy()
+            order = np.argsort(values)
+            found[start + order] = np.searchsorted(table, values[order], side="right")
     else:
         col = torch.searchsorted(flat_cdf, u, right=True)
     del u, cdf, flat_cdf
