@@ -158,9 +158,13 @@ class Corpus:
 
 
 # Words that end in '.' without ending a sentence (lower-cased, without the dot).
-_ABBREVIATIONS = frozenset(
-    ["mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "etc", "e.g", "i.e", "no", "nos", "vol", "fig", "figs", "eq", "approx", "ca", "cf", "gen", "col", "lt", "sgt", "capt", "cmdr", "adm", "gov", "sen", "rep", "rev", "hon", "mt", "ft", "inc", "ltd", "co", "corp", "bros", "dept", "est", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "u.s", "u.k", "u.n", "a.d", "b.c", "p.m", "a.m", "ph.d", "b.a", "m.a"]
-)
+_ABBREVIATIONS = frozenset((
+    "mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "etc", "e.g", "i.e", "no", "nos",
+    "vol", "fig", "figs", "eq", "approx", "ca", "cf", "gen", "col", "lt", "sgt", "capt", "cmdr",
+    "adm", "gov", "sen", "rep", "rev", "hon", "mt", "ft", "inc", "ltd", "co", "corp", "bros",
+    "dept", "est", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov",
+    "dec", "u.s", "u.k", "u.n", "a.d", "b.c", "p.m", "a.m", "ph.d", "b.a", "m.a",
+))
 # A candidate boundary: sentence-final punctuation, optional closing quotes/brackets, space,
 # then something that can start a sentence.
 _BOUNDARY = re.compile(r"""([.!?]+["')\]]*)\s+(?=["'(\[]?[A-Z0-9])""")
