@@ -43,7 +43,7 @@ __all__ = ["edge_attention", "dense_masked_attention"]
 
 
 def _stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
-    """Stable argsort of nonnegative int64 ``keys < bound``.
+    """Stable argsort of nonnegative integer ``keys < bound`` (int32 or int64).
 
     On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
     16-bit keys (linear time; about ten times faster here than ``torch.sort`` for
@@ -59,8 +59,14 @@ def _stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
     bits = max(1, (max(int(bound), 2) - 1).bit_length())
     perm = None
     for shift in range(0, bits, 16):
-        digits = ((values if perm is None else values[perm]) >> shift) & 0xFFFF
-        order = np.argsort(digits.astype(np.uint16), kind="stable")
+        current = values if perm is None else values[perm]
+        if shift == 0 and bits <= 16:
+            digits = current.astype(np.uint16)
+        else:
+            digits = ((current >> shift) & 0xFFFF).astype(np.uint16)
+        del current
+        order = np.argsort(digits, kind="stable")
+        del digits
         perm = order if perm is None else perm[order]
     return torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
 
@@ -74,7 +80,8 @@ class EdgeGraph:
     permutation (``sorted[e] = given[order[e]]``).  The transposed (column-major) CSR,
     needed for gradients of keys and values, is built on first use.
 
-    Memory: two int64 per edge (one more pair once transposed) and ``O(G (n + m))``.
+    Memory: one index per edge (two more once transposed), int32 when they fit, and
+    ``O(G (n + m))``.
     """
 
     def __init__(self, group, query, key, num_groups, n, m):
@@ -83,16 +90,19 @@ class EdgeGraph:
         self.num_edges = group.numel()
         device = group.device
         row = group * n + query
+        # int32 indices halve the index memory whenever they fit
+        fits = max(self.num_rows, self.num_cols, self.num_edges) < 2**31 - 1
+        self.index_dtype = torch.int32 if fits else torch.int64
         self.order = None
         if self.num_edges > 1 and not bool((row[1:] >= row[:-1]).all()):
             self.order = _stable_argsort(row, self.num_rows)
             row = row[self.order]
-            self.col = (group * m + key)[self.order]
+            self.col = (group * m + key)[self.order].to(self.index_dtype)
         else:
-            self.col = group * m + key
+            self.col = (group * m + key).to(self.index_dtype)
         self.counts = torch.bincount(row, minlength=self.num_rows)
         del row
-        self.crow = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=device)
+        self.crow = torch.zeros(self.num_rows + 1, dtype=self.index_dtype, device=device)
         torch.cumsum(self.counts, 0, out=self.crow[1:])
         self._transpose = None
 
@@ -119,11 +129,12 @@ class EdgeGraph:
     def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
         """The transposed ``[G m, G n]`` CSR matrix with ``values`` (given row-major)."""
         if self._transpose is None:
-            perm = _stable_argsort(self.col, self.num_cols)
+            device, idx = self.col.device, self.index_dtype
+            perm = _stable_argsort(self.col, self.num_cols).to(idx)
             counts_t = torch.bincount(self.col, minlength=self.num_cols)
-            crow_t = torch.zeros(self.num_cols + 1, dtype=torch.int64, device=self.col.device)
+            crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=device)
             torch.cumsum(counts_t, 0, out=crow_t[1:])
-            rows = torch.arange(self.num_rows, device=self.col.device)
+            rows = torch.arange(self.num_rows, device=device, dtype=idx)
             row_t = rows.repeat_interleave(self.counts, output_size=self.num_edges)[perm]
             self._transpose = (perm, crow_t, row_t)
         perm, crow_t, row_t = self._transpose
@@ -141,7 +152,9 @@ class EdgeGraph:
         """``[E]``: ``alpha <x[row_e], y[col_e]>`` for every edge (sampled dense-dense
         matmul, no ``[E, d]`` gather)."""
         pattern = self.matrix(torch.zeros(self.num_edges, dtype=x.dtype, device=x.device))
-        return torch.sparse.sampled_addmm(pattern, x, y.t(), beta=0.0, alpha=alpha).values()
+        result = torch.sparse.sampled_addmm(pattern, x, y.t(), beta=0.0, alpha=alpha)
+        # copy the values out: a view would keep the result's own int64 indices alive
+        return result.values().clone()
 
 
 class _EdgeAttention(torch.autograd.Function):

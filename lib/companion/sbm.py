@@ -54,9 +54,9 @@ DUPLICATE_POLICIES = ("merge", "keep")
 
 # fastRG looks up one inverse-CDF table of (rows x nodes) float64 entries at a time; groups
 # are processed in blocks so that this table stays below this many entries.
-_CDF_BLOCK_ENTRIES = 1 << 24
-# draws searched per block on CPU (sorted in blocks: bounded scratch, cache-friendly)
-_SEARCH_BLOCK = 1 << 18
+_CDF_BLOCK_ENTRIES = 1 << 22
+# edges drawn per block in step 2 (bounded scratch memory, cache-friendly sorting)
+_SEARCH_BLOCK = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,32 +234,53 @@ def fastrg_sample(
     device = qm.device
 
     with torch.no_grad():
-        qm = qm.detach().to(torch.float64)
-        km = km.detach().to(torch.float64)
-        sg = sg.detach().to(torch.float64)
-        k_mass = km.sum(1)  # colsum Khat, [G, k]
+        qm, km, sg = qm.detach(), km.detach(), sg.detach()
+        work = torch.promote_types(qm.dtype, torch.float32)
+        k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
         # expected number of edges with query i whose key comes from cluster b:
-        # sum_a Qhat_ia S_ab colsum_b(Khat), one GEMM
-        q_weight = torch.bmm(qm, sg).mul_(k_mass[:, None, :])  # [G, n, k]
+        # sum_a Qhat_ia S_ab colsum_b(Khat), one GEMM in the inputs' precision, then
+        # float64 for the Poisson rates (no float64 copy of the memberships is kept)
+        q_weight = torch.bmm(qm.to(work), sg.to(work)).to(torch.float64)
+        q_weight.mul_(k_mass[:, None, :])  # [G, n, k]
         if not bool(torch.isfinite(q_weight.sum()).all()):
             raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
         # Poisson splitting: the edges of each (query, key cluster) cell are independent
         # Poisson counts; enumerating the cells in order sorts edges by (group, query, b).
         counts = torch.poisson(q_weight.reshape(-1), generator=generator).to(torch.int64)
         del q_weight
-        num_edges = int(counts.sum())
-        cell = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=device), counts, output_size=num_edges
-        )
-        del counts
-        row = torch.div(cell, kc, rounding_mode="floor")
-        cluster_b = cell - row * kc
-        del cell
-        group = torch.div(row, n, rounding_mode="floor")
-        query = row - group * n
-        del row
-        key = _sample_grouped(km.transpose(1, 2), group, cluster_b, generator)
-        del cluster_b
+        ends = torch.cumsum(counts, 0)  # edges of cell c are ends[c] - counts[c] .. ends[c]
+        num_edges = int(ends[-1])
+        group = torch.empty(num_edges, dtype=torch.int64, device=device)
+        query = torch.empty_like(group)
+        key = torch.empty_like(group)
+        # step 2 in blocks of cells (bounded scratch) within blocks of groups (bounded
+        # CDF tables); cells are ordered (group, query, b), so are the edges
+        cells_per_group = n * kc
+        per_block = max(1, _CDF_BLOCK_ENTRIES // (m * kc))
+        cells_per_step = max(kc, _SEARCH_BLOCK * counts.numel() // max(num_edges, 1))
+        for g0 in range(0, num_groups, per_block):
+            g1 = min(g0 + per_block, num_groups)
+            table = last = None
+            for c0 in range(g0 * cells_per_group, g1 * cells_per_group, cells_per_step):
+                c1 = min(c0 + cells_per_step, g1 * cells_per_group)
+                e0, e1 = int(ends[c0] - counts[c0]), int(ends[c1 - 1])
+                if e1 == e0:
+                    continue
+                if table is None:
+                    weights = km[g0:g1].transpose(1, 2).reshape((g1 - g0) * kc, m)
+                    table, last = _cdf_table(weights)
+                cell = torch.repeat_interleave(
+                    torch.arange(c0, c1, device=device), counts[c0:c1], output_size=e1 - e0
+                )
+                row = torch.div(cell, kc, rounding_mode="floor")
+                cluster_b = cell - row * kc
+                del cell
+                g = torch.div(row, n, rounding_mode="floor")
+                group[e0:e1] = g
+                query[e0:e1] = row - g * n
+                key[e0:e1] = _search_rows(table, last, (g - g0) * kc + cluster_b, generator)
+            del table, last
+        del counts, ends
 
         if self_loops:
             group, query, key = _append_self_loops(group, query, key, num_groups, n)
@@ -287,21 +308,14 @@ def _append_self_loops(group, query, key, num_groups, n):
     return group, query, key
 
 
-def _sample_rows(
-    weights: torch.Tensor, row: torch.Tensor, generator: torch.Generator | None
-) -> torch.Tensor:
-    """For every entry ``r`` of ``row`` draw a column ``c`` with
-    ``Pr[c] = weights[r, c] / sum(weights[r])`` (inverse CDF in float64).
-
-    The CDF rows are offset by their row index and flattened into one sorted array, so a
-    single ``searchsorted`` serves all rows.  Rows with zero total are never requested
-    (they have no edges) and get a uniform table to keep the array sorted.  On CPU the
-    draws are searched in sorted order (numpy narrows each search from the previous
-    one, so the table is walked once) and the answers put back in draw order: several
-    times faster here than torch's random-order search.
-    """
+def _cdf_table(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF table of the rows of ``weights`` ``[rows, W]`` (float64): the CDF of
+    row ``r`` offset by ``r`` and flattened into one sorted array, so that one
+    ``searchsorted`` serves all rows, and the last column with positive mass per row.
+    Rows with zero total are never requested (no edge uses them) and get a uniform CDF
+    to keep the array sorted."""
     num_rows, width = weights.shape
-    device = weights.device
+    weights = weights.to(torch.float64)
     total = weights.sum(1, keepdim=True)
     empty = total <= 0
     probs = torch.where(empty, 1.0 / width, weights / torch.where(empty, 1.0, total))
@@ -310,50 +324,34 @@ def _sample_rows(
     last = width - 1 - (probs > 0).flip(1).to(torch.int8).argmax(1)
     cdf = probs.cumsum_(1).clamp_(max=1.0)
     cdf[:, -1] = 1.0
-    cdf += torch.arange(num_rows, device=device, dtype=torch.float64)[:, None]
-    flat_cdf = cdf.reshape(-1)
-    u = torch.rand(row.numel(), generator=generator, device=device, dtype=torch.float64)
+    cdf += torch.arange(num_rows, device=weights.device, dtype=torch.float64)[:, None]
+    return cdf.reshape(-1), last
+
+
+def _search_rows(
+    table: torch.Tensor, last: torch.Tensor, row: torch.Tensor, generator
+) -> torch.Tensor:
+    """Draw one column per entry of ``row`` from the table of :func:`_cdf_table`.
+
+    On CPU the draws are searched in sorted order (numpy narrows each search from the
+    previous one, so the table is walked once) and the answers put back in draw order:
+    several times faster here than torch's random-order search.
+    """
+    width = table.numel() // last.numel()
+    u = torch.rand(row.numel(), generator=generator, device=row.device, dtype=torch.float64)
     u += row
-    if device.type == "cpu" and u.numel() > 1:
+    if row.device.type == "cpu" and u.numel() > 1:
         import numpy as np
 
-        table = flat_cdf.numpy()
+        values = u.numpy()
+        order = np.argsort(values)
         col = torch.empty(u.numel(), dtype=torch.int64)
-        found = col.numpy()
-        for start in range(0, u.numel(), _SEARCH_BLOCK):  # bounded scratch memory
-            values = u[start : start + _SEARCH_BLOCK].numpy()
-            order = np.argsort(values)
-            found[start + order] = np.searchsorted(table, values[order], side="right")
+        col.numpy()[order] = np.searchsorted(table.numpy(), values[order], side="right")
     else:
-        col = torch.searchsorted(flat_cdf, u, right=True)
-    del u, cdf, flat_cdf
+        col = torch.searchsorted(table, u, right=True)
+    del u
     col -= row * width
     return torch.minimum(col, last[row])
-
-
-def _sample_grouped(
-    weights: torch.Tensor,
-    group: torch.Tensor,
-    row: torch.Tensor,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """For every edge ``e`` draw ``c ~ weights[group_e, row_e, :]`` (normalised).
-
-    ``weights`` is ``[G, rows, width]``; ``group`` is sorted, so blocks of groups map to
-    contiguous slices of edges and each block builds one CDF table of at most
-    ``_CDF_BLOCK_ENTRIES`` float64 entries.
-    """
-    num_groups, rows, width = weights.shape
-    out = torch.empty_like(group)
-    per_block = max(1, _CDF_BLOCK_ENTRIES // max(1, rows * width))
-    firsts = list(range(0, num_groups, per_block)) + [num_groups]
-    starts = torch.searchsorted(group, torch.tensor(firsts, device=group.device)).tolist()
-    for g0, g1, e0, e1 in zip(firsts[:-1], firsts[1:], starts[:-1], starts[1:]):
-        if e1 == e0:
-            continue
-        table = weights[g0:g1].reshape((g1 - g0) * rows, width)
-        out[e0:e1] = _sample_rows(table, (group[e0:e1] - g0) * rows + row[e0:e1], generator)
-    return out
 
 
 # ---------------------------------------------------------------------------------------
