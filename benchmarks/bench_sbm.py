@@ -13,16 +13,18 @@ head_dim 32, k = 128 clusters), forward + backward of
 The two dense paths cost the same at every density (the mask only changes values), so
 they are measured once per n (dense_masked at 5%) and their numbers are repeated.
 
-Memory method.  torch's CPU allocator keeps no statistics and ``tracemalloc`` does not
-see torch allocations, so each (n, method[, density]) runs in a fresh subprocess with
-``MALLOC_MMAP_THRESHOLD_=65536`` (every buffer >= 64 KiB is its own mmap, returned to
-the OS when freed, so the resident set tracks live tensors).  After the inputs exist,
-the kernel's resident-set high-water mark is reset (``echo 5 > /proc/self/clear_refs``),
-one forward + backward runs, and the peak is ``VmHWM - RSS before``: the memory the
-method itself needed, gradients included.  Times are the median of repeated runs after
-that first one, in the same subprocess.  Workers run with one torch thread
-(``BENCH_THREADS`` to change): the machine is shared, and spin-waiting OpenMP threads on
-an oversubscribed CPU were up to ten times slower in trials.
+Method.  For each n, one subprocess times every method and a second one measures
+memory.  Times: one warm-up, then the median of repeated forward + backward runs with
+the normal allocator.  Memory: torch's CPU allocator keeps no statistics and
+``tracemalloc`` does not see torch allocations, so the memory process starts with
+``MALLOC_MMAP_THRESHOLD_=65536`` (every buffer of 64 KiB or more is its own mmap,
+unmapped when freed, so the resident set follows live tensors; the fixed threshold
+would slow the timings, hence the separate process).  After one warm-up it resets the
+kernel's resident-set high-water mark (``echo 5 > /proc/self/clear_refs``), runs one
+forward + backward, and reports ``VmHWM - RSS before``: the memory the method itself
+needed, gradients included.  Workers run with one torch thread (``BENCH_THREADS`` to
+change): the machine is shared, and spin-waiting OpenMP threads on an oversubscribed
+CPU were up to ten times slower in trials.
 
 A second sweep times the sampler alone at a fixed expected edge count while n grows,
 to show that its cost follows edges + n k, not n^2.
@@ -92,7 +94,9 @@ def _memberships(n: int, density: float, seed: int):
     return qm, s, km
 
 
-def worker(n: int, density: float, method: str, seed: int, budget_s: float) -> dict:
+def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: int = 0):
+    """Time (``mode="time"``) or measure the peak memory (``mode="memory"``, in a process
+    started with ``MALLOC_MMAP_THRESHOLD_=65536``) of one method at one configuration."""
     import torch
 
     from companion.sbm import (
@@ -108,54 +112,49 @@ def worker(n: int, density: float, method: str, seed: int, budget_s: float) -> d
     gen = torch.Generator().manual_seed(seed + 1)
     info: dict = {}
 
+    def clear_grads():
+        for t in (q, k, v):
+            t.grad = None
+
     def run_edge():
         edges = fastrg_sample(qm, s, km, gen)
         edge_attention(q, k, v, edges).sum().backward()
         info["edges_per_head"] = edges[0].numel() / HEADS
+        clear_grads()
 
     def run_dense_masked():
         p = edge_probabilities(qm, s, km)
         mask = torch.bernoulli(p.clamp_(0.0, 1.0), generator=gen).bool()
         del p
         dense_masked_attention(q, k, v, mask).sum().backward()
+        clear_grads()
 
     def run_sdpa():
         torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+        clear_grads()
 
     run = {"edge": run_edge, "dense_masked": run_dense_masked, "sdpa": run_sdpa}[method]
-
-    def clear_grads():
-        for t in (q, k, v):
-            t.grad = None
-
-    clear_grads()
-    before = _rss_bytes()
-    exact = _reset_peak()
+    out = {"n": n, "density": density, "method": method}
     t0 = time.perf_counter()
-    run()
+    run()  # warm-up (first-call costs), also sizes the repeats
     first = time.perf_counter() - t0
-    peak = _peak_bytes() - before if exact else _peak_bytes()
-    clear_grads()
+    if mode == "memory":
+        before = _rss_bytes()
+        exact = _reset_peak()
+        run()
+        out["peak_mb"] = (_peak_bytes() - before if exact else _peak_bytes()) / 2**20
+        out["peak_method"] = "VmHWM after clear_refs" if exact else "ru_maxrss (absolute)"
+        return out
     times = []
-    while len(times) < 2 or (sum(times) < budget_s and len(times) < 7):
+    while len(times) < (1 if first > 5 else 2) or (sum(times) < budget_s and len(times) < 7):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-        clear_grads()
-    out = {
-        "n": n,
-        "density": density,
-        "method": method,
-        "time_s": statistics.median(times),
-        "times_s": times,
-        "first_s": first,
-        "peak_mb": peak / 2**20,
-        "peak_method": "VmHWM after clear_refs" if exact else "ru_maxrss (absolute)",
-    }
+    out.update(time_s=statistics.median(times), times_s=times, first_s=first)
     if method == "edge":
-        # split: sampler alone and attention alone (median of 3)
+        # split: sampler alone and attention alone
         samp, attn = [], []
-        for _ in range(3):
+        for _ in range(1 if first > 2 else 3):
             t0 = time.perf_counter()
             edges = fastrg_sample(qm, s, km, gen)
             t1 = time.perf_counter()
@@ -163,12 +162,25 @@ def worker(n: int, density: float, method: str, seed: int, budget_s: float) -> d
             attn.append(time.perf_counter() - t1)
             samp.append(t1 - t0)
             clear_grads()
+            del edges
         out.update(
             sample_s=statistics.median(samp),
             attention_s=statistics.median(attn),
             edges_per_head=info["edges_per_head"],
         )
     return out
+
+
+def worker(n: int, mode: str, jobs: list[tuple[str, float]], budget_s: float) -> list[dict]:
+    """All jobs of one n and one mode in this process (one process per n and mode)."""
+    results = []
+    for method, density in jobs:
+        try:
+            results.append(job(n, density, method, mode, budget_s))
+        except Exception as exc:  # reported in the table, never hidden
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            results.append({"n": n, "density": density, "method": method, "error": msg})
+    return results
 
 
 def sampler_worker(n: int, edges: int, seed: int) -> dict:
@@ -197,8 +209,10 @@ def sampler_worker(n: int, edges: int, seed: int) -> dict:
 # ---------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------
-def _spawn(args: list[str], timeout: float) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(THREADS))
+def _spawn(args: list[str], timeout: float, strict_malloc: bool = False):
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    if strict_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     cmd = [sys.executable, __file__, "--worker", *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -228,53 +242,55 @@ def main() -> None:
         if kind == "sampler":
             res = sampler_worker(int(rest[0]), int(rest[1]), 0)
         else:
-            res = worker(int(rest[0]), float(rest[1]), rest[2], 0, float(rest[3]))
+            n, mode, budget, *pairs = rest
+            jobs = [(pairs[i], float(pairs[i + 1])) for i in range(0, len(pairs), 2)]
+            res = worker(int(n), mode, jobs, float(budget))
         print(json.dumps(res))
         return
 
     sizes = [512, 1024, 2048] if args.quick else [512, 1024, 2048, 4096, 8192]
     densities = [0.01, 0.05, 0.20]
     budget = 0.5 if args.quick else 1.5
-    rows, dense_rows = [], {}
+    rows = []
     started = time.perf_counter()
     for n in sizes:
-        for method in ("sdpa", "dense_masked"):
-            # several n x n float32 tensors per head live at once in the dense path
-            need = 10 * HEADS * n * n * 4
-            if method == "dense_masked" and need > 0.5 * _available_bytes():
-                dense_rows[(n, method)] = {"error": f"skipped: needs ~{need / 2**30:.1f} GiB"}
-                continue
-            res = _spawn(["attn", str(n), "0.05", method, str(budget)], timeout=600)
-            dense_rows[(n, method)] = res
-            print(
-                f"n={n:5d} {method:13s} "
-                + (
-                    res["error"]
-                    if "error" in res
-                    else f"{res['time_s']:.4f} s  {res['peak_mb']:.1f} MB"
-                ),
-                flush=True,
-            )
+        jobs = ["sdpa", "0.05"]
+        # several n x n float32 tensors per head live at once in the dense path
+        need = 10 * HEADS * n * n * 4
+        dense_ok = need <= 0.5 * _available_bytes()
+        if dense_ok:
+            jobs += ["dense_masked", "0.05"]
         for density in densities:
-            res = _spawn(["attn", str(n), str(density), "edge", str(budget)], timeout=600)
-            print(
-                f"n={n:5d} edge {density:4.0%}      "
-                + (
-                    res["error"]
-                    if "error" in res
-                    else f"{res['time_s']:.4f} s  {res['peak_mb']:.1f} MB  "
-                    f"({res['edges_per_head']:.0f} edges/head)"
-                ),
-                flush=True,
+            jobs += ["edge", str(density)]
+        found: dict = {}
+        for mode in ("time", "memory"):
+            res = _spawn(
+                ["attn", str(n), mode, str(budget), *jobs],
+                timeout=900,
+                strict_malloc=(mode == "memory"),
             )
-            row = {
-                "n": n,
-                "density": density,
-                "edge": res,
-                "dense_masked": dense_rows[(n, "dense_masked")],
-                "sdpa": dense_rows[(n, "sdpa")],
-            }
-            rows.append(row)
+            if isinstance(res, dict):  # the whole process failed
+                res = [dict(res, method=m, density=float(d)) for m, d in zip(jobs[::2], jobs[1::2])]
+            for r in res:
+                found.setdefault((r["method"], r["density"]), {}).update(r)
+        if not dense_ok:
+            found[("dense_masked", 0.05)] = {"error": f"skipped: needs ~{need / 2**30:.1f} GiB"}
+        for (method, density), r in sorted(found.items()):
+            if "error" in r:
+                text = r["error"]
+            else:
+                text = f"{r['time_s']:.4f} s  {r['peak_mb']:.1f} MiB"
+            print(f"n={n:5d} {method:13s} {density:4.0%}  {text}", flush=True)
+        for density in densities:
+            rows.append(
+                {
+                    "n": n,
+                    "density": density,
+                    "edge": found[("edge", density)],
+                    "dense_masked": found[("dense_masked", 0.05)],
+                    "sdpa": found[("sdpa", 0.05)],
+                }
+            )
 
     sampler_sizes = [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 65536]
     sampler_edges = 100_000
@@ -304,12 +320,12 @@ def main() -> None:
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
-            "torch_threads": _torch_threads(),
+            "torch_threads_per_worker": THREADS,
             "python": platform.python_version(),
             "load_average": os.getloadavg(),
         },
-        "memory_method": "fresh subprocess per config, MALLOC_MMAP_THRESHOLD_=65536, "
-        "peak = VmHWM (reset via /proc/self/clear_refs) - RSS before",
+        "memory_method": "separate subprocess per n with MALLOC_MMAP_THRESHOLD_=65536; "
+        "after a warm-up, peak = VmHWM (reset via /proc/self/clear_refs) - RSS before",
         "rows": rows,
         "sampler_sweep": sampler,
         "summary": summary,
@@ -321,12 +337,6 @@ def main() -> None:
     (RESULTS / "sbm.md").write_text(md)
     print()
     print(md)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _ok(res: dict) -> bool:
@@ -397,10 +407,12 @@ def _markdown(result) -> str:
         "# SBM attention benchmark",
         "",
         f"Batch 1, {HEADS} heads, head_dim {HEAD_DIM}, k = {CLUSTERS}; forward + backward. "
-        f"Machine: {result['machine']['cpus']} CPUs, {result['machine']['torch_threads']} "
-        f"torch threads, load average at the end {result['machine']['load_average'][0]:.1f}. "
+        f"Machine: {result['machine']['cpus']} CPUs (shared), "
+        f"{result['machine']['torch_threads_per_worker']} torch thread per worker, "
+        f"load average at the end {result['machine']['load_average'][0]:.1f}. "
         "Times: median seconds. Memory: peak MiB above the inputs "
-        "(fresh process, VmHWM reset before the call). Dense paths measured once per n.",
+        "(separate process, VmHWM reset before the call). Dense paths measured once per n "
+        "(their cost does not depend on the density).",
         "",
         "| n | density | edges/head | edge s (sample + attn) | dense masked s | SDPA s "
         "| dense masked / edge time | SDPA / edge time | edge MiB | dense masked MiB "
