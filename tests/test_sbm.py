@@ -88,10 +88,17 @@ def test_sbm_parameters_closed_form():
 # ---------------------------------------------------------------------------------------
 # fastRG sampler
 # ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("small_blocks", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fastrg_multigraph_mean_is_P(device):
+def test_fastrg_multigraph_mean_is_P(device, small_blocks, monkeypatch):
     """Monte Carlo: E[#edges] = sum P and E[A] = Qhat S Khat^T within 5 standard errors,
-    per entry, for two heads with different parameters, in one batched call."""
+    per entry, for two heads with different parameters, in one batched call (also with
+    tiny group and edge blocks, so that the blocked code paths are exercised)."""
+    if small_blocks:
+        import companion.sbm as sbm_module
+
+        monkeypatch.setattr(sbm_module, "_CDF_BLOCK_ENTRIES", 15 * 5000)  # 5000 groups
+        monkeypatch.setattr(sbm_module, "_SEARCH_BLOCK", 4096)
     n, m, k, heads, reps = 6, 5, 3, 2, 20000
     qm, s, km = _random_sbm(n, m, k, heads=heads, seed=1, device=device)
     p = edge_probabilities(qm, s, km)[0]  # [H, n, m]
