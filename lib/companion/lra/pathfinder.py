@@ -116,26 +116,32 @@ def _dilate(mask: np.ndarray) -> np.ndarray:
 
 def _grow_snake(rng, canvas, blocked, n_paddles, paddle_length, gap, max_turn, padding,
                 marker_radius, marked_ends, tries_per_paddle=12):
-    """Try to draw one snake avoiding ``blocked``; return (ink, ends) or None."""
+    """Try to draw one snake avoiding ``blocked``; return (ink, ends) or None.
+
+    Points are plain ``(x, y)`` floats: the canvas is tiny, so per-call numpy overhead,
+    not arithmetic, would dominate the heading search.
+    """
     size = canvas.size
     lo, hi = padding + marker_radius, size - padding - marker_radius
     if hi <= lo:
         return None
-    start = np.array([rng.uniform(lo, hi), rng.uniform(lo, hi)])
+    start = (rng.uniform(lo, hi), rng.uniform(lo, hi))
     heading = rng.uniform(0, 2 * math.pi)
     ink = np.zeros((size, size))
     pos = start
     end = start
+    top = size - padding
     for k in range(n_paddles):
         placed = False
         for attempt in range(tries_per_paddle):
             h = heading + (rng.uniform(-max_turn, max_turn) if (k or attempt) else 0.0)
             if attempt >= tries_per_paddle // 2:  # stuck: allow a sharper turn
                 h = heading + rng.uniform(-2 * max_turn, 2 * max_turn)
-            u = np.array([math.cos(h), math.sin(h)])
-            p = pos if k == 0 else pos + gap * u
-            q = p + paddle_length * u
-            if not (padding <= min(p.min(), q.min()) and max(p.max(), q.max()) <= size - padding):
+            ux, uy = math.cos(h), math.sin(h)
+            p = pos if k == 0 else (pos[0] + gap * ux, pos[1] + gap * uy)
+            q = (p[0] + paddle_length * ux, p[1] + paddle_length * uy)
+            if not (padding <= min(p[0], p[1], q[0], q[1])
+                    and max(p[0], p[1], q[0], q[1]) <= top):
                 continue
             if blocked[int(q[1]), int(q[0])]:  # cheap early rejection
                 continue
