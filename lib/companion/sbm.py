@@ -16,7 +16,9 @@ back-propagated with the straight-through estimator ``grad_P = hardtanh(A * grad
 
 Sampling uses fastRG (Rohe et al., 2018): ``P`` is never formed; the number of edges is
 Poisson with mean ``sum(P)``, and each edge draws a cluster pair and then its two
-endpoints.  Time and memory are ``O(edges + (n + m) k + k^2)`` per head.
+endpoints (drawn here in query-major order, see :func:`fastrg_sample`).  Time
+``O(edges log m + (n + m) k + n k^2)`` (the last term is one GEMM, ``Qhat S``) and
+memory ``O(edges + (n + m) k + k^2)`` per head.
 
 Public API: :func:`sbm_parameters`, :func:`edge_probabilities`, :func:`fastrg_sample`,
 :func:`companion.edge_attention.edge_attention` (re-exported here), :class:`SBMAttention`,
@@ -479,7 +481,9 @@ class SBMAttention(nn.Module):
         batch, heads, n = q.shape[:3]
         m = k.shape[2]
         num_groups = batch * heads
-        graph = EdgeGraph(*edges, num_groups, n, m)  # sampler output is row-sorted
+        graph = EdgeGraph(*edges, num_groups, n, m)
+        if graph.order is not None:  # the mask below is indexed in the sampler's order
+            raise RuntimeError("fastrg_sample returned edges not sorted by (group, query)")
         qs = q_membership @ s  # [B, H, n, k]
         mask = _StraightThroughMask.apply(
             qs.reshape(num_groups * n, -1), k_membership.reshape(num_groups * m, -1), graph
