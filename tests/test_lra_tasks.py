@@ -151,7 +151,8 @@ def _connected_by_flood_fill(image: np.ndarray, markers: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("kwargs", [{"size": 32, "contour_length": 14},
                                     {"size": 20, "contour_length": 6, "num_distractors": 3},
-                                    {"size": 24, "contour_length": 9, "num_distractors": 4, "max_turn": math.pi / 3}])
+                                    {"size": 24, "contour_length": 9, "num_distractors": 4,
+                                     "max_turn": math.pi / 3}])
 def test_pathfinder_labels_match_flood_fill(kwargs):
     data = pathfinder.generate(60, seed=7, **kwargs)
     size = kwargs["size"]
@@ -182,6 +183,29 @@ def test_pathfinder_deterministic_quantised_and_sequences():
     assert seq.shape == (6, 400) and seq.dtype == torch.long
     assert int(seq.min()) >= 0 and int(seq.max()) <= 255
     assert torch.equal(seq.reshape(6, 20, 20), torch.round(a.images * 255).long())
+
+
+def test_best_threshold_accuracy_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 15, (1,), generator=g))
+        feature = torch.randint(0, 5, (n,), generator=g).float()
+        labels = torch.randint(0, 2, (n,), generator=g)
+        brute = 0
+        for t in [-1.0, *feature.unique().tolist()]:
+            correct = int(((feature <= t).long() == labels).sum())
+            brute = max(brute, correct, n - correct)
+        assert pathfinder.best_threshold_accuracy(feature, labels) == pytest.approx(brute / n)
+    with pytest.raises(ValueError, match="feature, labels"):
+        pathfinder.best_threshold_accuracy(torch.zeros(3), torch.zeros(4))
+
+
+def test_pathfinder_small_canvas_ink_does_not_give_the_label_away():
+    # both classes mark one snake start and one (possibly border-clipped) snake end
+    data = pathfinder.generate(400, seed=1, size=12, contour_length=3, num_distractors=0)
+    shortcuts = pathfinder.shortcut_accuracies(data)
+    assert set(shortcuts) == {"marker distance", "ink pixels", "total ink"}
+    assert shortcuts["ink pixels"] < 0.62 and shortcuts["total ink"] < 0.62
 
 
 def test_pathfinder_validates():
