@@ -156,3 +156,14 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
         prov.atomic_write_text(target, "new")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_ids_are_unique_within_a_chapter(chapter, monkeypatch):
+    prov.save_figure(_figure(), "demo-same", "A figure.")
+    with pytest.raises(ValueError, match="already used by a figure"):
+        prov.claim("demo-same", True, paper="qualitative", kind="holds",
+                   reference="this chapter", statement="Same id as the figure.")
+    prov.save_figure(_figure(), "demo-same", "Saved again by hand: allowed.")
+    monkeypatch.setenv(prov.ENV_CHAPTER, "demo")  # under the runner: a duplicate label
+    with pytest.raises(ValueError, match="already used"):
+        prov.save_figure(_figure(), "demo-same", "Twice in one run.")

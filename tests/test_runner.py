@@ -171,3 +171,12 @@ def test_interrupt_leaves_no_partial_files(demo_project):
         assert f.read_bytes() == data, f"{f} changed"
     leftovers = [f for f in p.generated.rglob("*.tmp")]
     assert not leftovers
+
+
+def test_staging_of_a_killed_run_is_removed(demo_project):
+    p = demo_project
+    dead = p.generated / ".staging" / "demo-999999999-deadbeef"
+    dead.mkdir(parents=True)
+    (dead / "demo.ipynb").write_text("{}")
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    assert not dead.exists()

@@ -159,6 +159,7 @@ class Chapter:
     asset_url: str
     device: Any = None
     started: str = field(default_factory=lambda: _now())
+    used_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def scale(self) -> str:
@@ -267,6 +268,12 @@ def active_chapter() -> Chapter:
 
 
 def _check_id(kind: str, item_id: str, chapter: Chapter) -> None:
+    """Ids are kebab-case, chapter-prefixed and unique within a chapter.
+
+    Figures, tables and claims share one namespace (each id is a label on the page).
+    Under the runner an id may be used once; run by hand, re-running a cell may save the
+    same item again.
+    """
     if not isinstance(item_id, str) or not _ID_RE.match(item_id):
         raise ValueError(
             f"{kind}: expected a kebab-case id like 'hasse-causal-mask', got {item_id!r}")
@@ -274,6 +281,13 @@ def _check_id(kind: str, item_id: str, chapter: Chapter) -> None:
         raise ValueError(
             f"{kind}: id {item_id!r} must start with the chapter prefix {chapter.prefix + '-'!r}"
         )
+    previous = chapter.used_ids.get(item_id)
+    if previous is not None and (previous != kind or os.environ.get(ENV_CHAPTER)):
+        raise ValueError(
+            f"{kind}: id {item_id!r} is already used by a {previous.split('_')[0]} of this "
+            "chapter; every figure, table and claim needs its own id"
+        )
+    chapter.used_ids[item_id] = kind
 
 
 def _provenance(chapter: Chapter) -> dict[str, Any]:

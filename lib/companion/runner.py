@@ -402,7 +402,8 @@ def run_chapter(
 
     commit, dirty = prov.git_state(project.root)
     gen = project.generated
-    staging = gen / ".staging" / f"{name}-{uuid.uuid4().hex[:8]}"
+    remove_dead_staging(project, name)
+    staging = gen / ".staging" / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging_assets = staging / "assets"
     staging_assets.mkdir(parents=True)
     input_nb = staging / f"{name}.input.ipynb"
@@ -477,6 +478,17 @@ def run_chapter(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def remove_dead_staging(project: Project, name: str) -> None:
+    """Remove staging folders of this chapter left by a run that was killed (SIGKILL)."""
+    import psutil
+
+    for folder in (project.generated / ".staging").glob(f"{name}-*"):
+        parts = folder.name[len(name) + 1:].split("-")
+        pid = int(parts[0]) if parts and parts[0].isdigit() else None
+        if pid is None or not psutil.pid_exists(pid):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def read_notebook_ipynb(path: Path):
