@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -467,30 +466,48 @@ def _divisor_at_most(t: int, target: int) -> int:
     return max(s for s in range(1, min(t, target) + 1) if t % s == 0)
 
 
+def _workspace(cache: dict | None, numel: int, dtype, device) -> torch.Tensor:
+    """A flat buffer of ``numel`` entries, reused from ``cache`` across calls when it fits.
+
+    Large fresh allocations are returned to the system and page-faulted back on every
+    batch, which costs as much as the product written into them.
+    """
+    if cache is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = cache.get("similarity")
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        cache["similarity"] = buf
+    return buf[:numel]
+
+
 def top_pairs(
     outputs: torch.Tensor,
     valid: torch.Tensor,
     k: int,
     metric: torch.Tensor | None = None,
-    block: int = 16,
     segment: int = 16,
     return_sum: bool = False,
+    workspace: dict | None = None,
 ):
     """The ``k`` most similar pairs ``i < j`` of valid tokens, per window, layer and head.
 
     Equal to taking ``similarity_matrices(outputs, metric=metric)``, keeping the strict
     upper triangle of valid pairs and calling ``topk(k)`` (the reference in the tests),
-    but without forming the whole matrices or a top-k over all ``T(T-1)/2`` pairs, which
-    would cost more than the rest of the analysis together:
+    but without a top-k over all ``T(T-1)/2`` pairs of every matrix, which would cost more
+    than the rest of the analysis together:
 
-    1. the rows are cut into blocks of ``block`` rows; block ``r`` is multiplied only
-       with the columns ``j >= r block`` (the upper triangle and the diagonal block);
-       there ``j <= i`` and pairs with an invalid token are set to ``-inf``;
-    2. each column of a block is cut into *segments* of ``segment`` rows, whose maxima
-       are one vectorised reduction;
+    1. all similarity matrices are one batched product into one (reusable) buffer; the
+       sum over the batch is taken there, then the lower triangle inside the diagonal
+       ``segment x segment`` blocks, the diagonal and the rows of invalid tokens are set
+       to ``-inf``;
+    2. each column is cut into *segments* of ``segment`` rows, whose maxima are one
+       vectorised reduction; segments wholly below the diagonal and the columns of
+       invalid tokens get the maximum ``-inf`` (their entries are never candidates);
     3. every top-``k`` entry lies in a segment whose maximum is at least the ``k``-th
        largest value, so in one of the ``k`` segments with the largest maxima: the exact
-       top-``k`` is taken over those ``k segment`` candidates.
+       top-``k`` is taken over those ``k segment`` candidates, and only the ``k`` winners
+       are sorted.
 
     Parameters
     ----------
@@ -499,12 +516,13 @@ def top_pairs(
     k : int
         Pairs to return (callers keep only the first ``k_b`` of window ``b``).
     metric : Tensor [L, H, d, d], optional, symmetric (see :func:`similarity_matrices`).
-    block, segment : int
-        Target block and segment heights (largest divisors of ``T``, resp. of the block
-        height, not above them).
+    segment : int
+        Target segment height (the largest divisor of ``T`` not above it).
     return_sum : bool
         Also return the sum over the batch of the similarity matrices, zero diagonal,
-        [L, H, T, T] (rebuilt from the blocks by symmetry, before any masking).
+        [L, H, T, T] (before any masking).
+    workspace : dict, optional
+        Keeps the ``[B L H, T, T]`` buffer between calls (pass the same dict each time).
 
     Returns
     -------
@@ -514,9 +532,9 @@ def top_pairs(
 
     Complexity
     ----------
-    O(B L H T (T + block) d / 2) for the products, one pass over those entries for the
-    segment maxima, top-k selections over ``T (T + block) / (2 segment)`` and
-    ``k segment`` entries per matrix.
+    O(B L H T^2 d) for the product, two passes over its entries (segment maxima, batch
+    sum), top-k selections over ``T^2 / segment`` and ``k segment`` entries per matrix
+    and a sort of ``k``. Memory: the ``B L H T^2`` buffer.
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
         raise ValueError("outputs: expected a 5-D tensor [B, L, H, T, d]")
@@ -528,58 +546,48 @@ def top_pairs(
         raise ValueError(f"k: expected a positive int, got {k!r}")
     if k > t * (t - 1) // 2:
         raise ValueError(f"k: {k} exceeds the {t * (t - 1) // 2} pairs of {t} tokens")
+    if not isinstance(segment, int) or isinstance(segment, bool) or segment < 1:
+        raise ValueError(f"segment: expected a positive int, got {segment!r}")
     dev, lh = outputs.device, n_l * n_h
     n = b * lh
     left = outputs if metric is None else torch.matmul(outputs, metric.to(outputs.dtype))
     left = left.reshape(n, t, d)
     right_t = outputs.reshape(n, t, d).transpose(1, 2)  # [N, d, T]
-    s = _divisor_at_most(t, block)
-    g = _divisor_at_most(s, segment)
-    nb = t // s
-    lower = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+    g = _divisor_at_most(t, segment)
+    ns = t // g
+    flat = _workspace(workspace, n * t * t, outputs.dtype, dev)
+    sims = flat.view(n, t, t)
+    torch.bmm(left, right_t, out=sims)
+    total = None
+    if return_sum:
+        total = sims.view(b, lh, t, t).sum(0)
+        total.diagonal(dim1=1, dim2=2).zero_()
+    # j <= i inside the diagonal blocks (rows and columns of one segment)
+    lower = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[:, :, None]  # [g, g, 1]
+    sims.view(n, ns, g, ns, g).diagonal(dim1=1, dim2=3).masked_fill_(lower, float("-inf"))
     inv_b, inv_t = (~valid).nonzero(as_tuple=True)
-    # All blocks live in one flat buffer (block r: contiguous [N, s, T - r s] at
-    # bases[r]), so the candidates are gathered with one flat index.
-    widths = [t - r * s for r in range(nb)]
-    bases = [0, *itertools.accumulate(n * s * w for w in widths)]
-    buf = torch.empty(bases[-1], dtype=outputs.dtype, device=dev)
-    seg_max, seg_base, seg_row, seg_col = [], [], [], []
-    total = torch.zeros(lh, t, t, dtype=outputs.dtype, device=dev) if return_sum else None
-    for r, w in enumerate(widths):
-        lo = r * s
-        blk = buf[bases[r]:bases[r + 1]].view(n, s, w)
-        torch.bmm(left[:, lo:lo + s], right_t[:, :, lo:], out=blk)
-        blk4 = blk.view(b, lh, s, w)
-        if total is not None:
-            total[:, lo:lo + s, lo:] = blk4.sum(0)
-        blk[:, :, :s].masked_fill_(lower, float("-inf"))  # j <= i in the diagonal block
-        rows = (inv_t >= lo) & (inv_t < lo + s)
-        blk4[inv_b[rows], :, inv_t[rows] - lo, :] = float("-inf")  # invalid tokens i
-        cols = inv_t >= lo
-        blk4[inv_b[cols], :, :, inv_t[cols] - lo] = float("-inf")  # invalid tokens j
-        seg_max.append(blk.view(n, s // g, g, w).amax(2).view(n, -1))  # [N, s/g * w]
-        seg_base.append(torch.full((s // g * w,), bases[r], device=dev))
-        seg_row.append((lo + torch.arange(s // g, device=dev) * g).repeat_interleave(w))
-        seg_col.append(torch.arange(lo, t, device=dev).repeat(s // g))
-    seg_max = torch.cat(seg_max, dim=1)  # [N, n_seg]
-    seg_base, seg_row, seg_col = torch.cat(seg_base), torch.cat(seg_row), torch.cat(seg_col)
-    m = min(k, seg_max.shape[1])
-    seg = seg_max.topk(m, dim=-1, sorted=False).indices  # [N, m]
-    top_row, top_col = seg_row[seg], seg_col[seg]  # first row and column of each segment
-    width = t - (top_row // s) * s
-    start = (seg_base[seg] + torch.arange(n, device=dev)[:, None] * (s * width)
-             + (top_row % s) * width + top_col - (top_row // s) * s)  # [N, m]
+    sims.view(b, lh, t, t)[inv_b, :, inv_t, :] = float("-inf")  # invalid tokens i
+    seg_max = sims.view(n, ns, g, t).amax(2)  # [N, ns, T]: segment (rows r g.., column j)
+    below = (torch.arange(t, device=dev)[None, :]
+             < (torch.arange(ns, device=dev) * g)[:, None])  # [ns, T]: all rows i > j
+    seg_max.view(b, lh, ns, t).masked_fill_(below | ~valid[:, None, None, :], float("-inf"))
+    m = min(k, ns * t)
+    seg_val, seg = seg_max.view(n, -1).topk(m, dim=-1, sorted=False)  # [N, m]
+    top_row, top_col = (seg // t) * g, seg % t  # first row and column of each segment
+    start = torch.arange(n, device=dev)[:, None] * (t * t) + top_row * t + top_col  # [N, m]
     a = torch.arange(g, device=dev)[None, :, None]
-    cand = buf.take(start[:, None, :] + a * width[:, None, :])  # [N, g, m]
-    v, pos = cand.view(n, -1).topk(k, dim=-1, sorted=True)
+    cand = flat.take(start[:, None, :] + a * t)  # [N, g, m]
+    # entries of excluded segments (below the diagonal, invalid j) are not pairs
+    cand.masked_fill_(torch.isneginf(seg_val)[:, None, :], float("-inf"))
+    v, pos = cand.view(n, -1).topk(k, dim=-1, sorted=False)
+    v, order = v.sort(dim=-1, descending=True, stable=True)
+    pos = pos.gather(1, order)
     shape = (b, n_l, n_h, k)
     i_sel = (top_row.gather(1, pos % m) + pos // m).view(shape)
     j_sel = top_col.gather(1, pos % m).view(shape)
     if total is None:
         return v.view(shape), i_sel, j_sel
-    total.diagonal(dim1=1, dim2=2).zero_()
-    upper = total.triu(1)
-    return v.view(shape), i_sel, j_sel, (upper + upper.transpose(1, 2)).view(n_l, n_h, t, t)
+    return v.view(shape), i_sel, j_sel, total.view(n_l, n_h, t, t)
 
 
 @dataclass
@@ -667,6 +675,7 @@ class SimilarityStats:
                              f"{self.attention_threshold!r}")
         self.separators = {str(k): int(v) for k, v in dict(self.separators).items()}
         self.device = torch.device(self.device)
+        self._workspace = {}  # buffers reused between batches (not part of the statistics)
         dims = {"L": self.n_layers, "H": self.n_heads, "T": self.length,
                 "V": self.vocab_size, "S": len(self.separators)}
         for name, (shape, dtype) in self._SUMS.items():
@@ -808,7 +817,7 @@ class SimilarityStats:
 
         if k_max > 0:
             _, pi, pj, sim_sum = top_pairs(z, valid, k_max, metric=batch_result.metric,
-                                           return_sum=True)
+                                           return_sum=True, workspace=self._workspace)
             self._update_pairs(acc, layers, ids, sent, valid, k, pi, pj)
         else:  # no content pairs at all: only the mean similarity
             sim_sum = similarity_matrices(z, metric=batch_result.metric).sum(0)
