@@ -189,6 +189,12 @@ def test_top_pairs_equal_brute_force(t, segment):
             assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
             assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
         assert (i < j).all()
+        # unsorted: the same pairs (as a set per matrix)
+        v2, i2, j2 = top_pairs(z, valid, k, metric=m, segment=segment, sort=False)
+        key, key2 = (i * t + j).masked_fill(v.isneginf(), -1), (i2 * t + j2).masked_fill(
+            v2.isneginf(), -1)
+        assert torch.equal(key.sort(-1).values, key2.sort(-1).values)
+        assert torch.equal(v.sort(-1).values, v2.sort(-1).values)
 
 
 # ------------------------------------------------------------------ statistics

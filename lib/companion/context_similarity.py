@@ -489,6 +489,7 @@ def top_pairs(
     segment: int = 16,
     return_sum: bool = False,
     workspace: dict | None = None,
+    sort: bool = True,
 ):
     """The ``k`` most similar pairs ``i < j`` of valid tokens, per window, layer and head.
 
@@ -499,10 +500,10 @@ def top_pairs(
 
     1. all similarity matrices are one batched product into one (reusable) buffer; the
        sum over the batch is taken there, then the lower triangle inside the diagonal
-       ``segment x segment`` blocks, the diagonal and the rows of invalid tokens are set
-       to ``-inf``;
-    2. each column is cut into *segments* of ``segment`` rows, whose maxima are one
-       vectorised reduction; segments wholly below the diagonal and the columns of
+       ``segment x segment`` blocks, the diagonal and the columns of invalid tokens are
+       set to ``-inf``;
+    2. each row is cut into *segments* of ``segment`` consecutive columns, whose maxima
+       are one vectorised reduction; segments wholly below the diagonal and the rows of
        invalid tokens get the maximum ``-inf`` (their entries are never candidates);
     3. every top-``k`` entry lies in a segment whose maximum is at least the ``k``-th
        largest value, so in one of the ``k`` segments with the largest maxima: the exact
@@ -523,11 +524,14 @@ def top_pairs(
         [L, H, T, T] (before any masking).
     workspace : dict, optional
         Keeps the ``[B L H, T, T]`` buffer between calls (pass the same dict each time).
+    sort : bool
+        Sort the ``k`` pairs by decreasing similarity (needed to keep a prefix); False
+        returns them in no particular order.
 
     Returns
     -------
-    (values, i, j) : each [B, L, H, k], sorted by decreasing similarity, ``i < j``;
-    values are ``-inf`` beyond a window's number of valid pairs. With ``return_sum``,
+    (values, i, j) : each [B, L, H, k], sorted by decreasing similarity (if ``sort``),
+    ``i < j``; values are ``-inf`` beyond a window's number of valid pairs. With ``return_sum``,
     ``(values, i, j, sum)``.
 
     Complexity
@@ -566,25 +570,26 @@ def top_pairs(
     lower = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[:, :, None]  # [g, g, 1]
     sims.view(n, ns, g, ns, g).diagonal(dim1=1, dim2=3).masked_fill_(lower, float("-inf"))
     inv_b, inv_t = (~valid).nonzero(as_tuple=True)
-    sims.view(b, lh, t, t)[inv_b, :, inv_t, :] = float("-inf")  # invalid tokens i
-    seg_max = sims.view(n, ns, g, t).amax(2)  # [N, ns, T]: segment (rows r g.., column j)
-    below = (torch.arange(t, device=dev)[None, :]
-             < (torch.arange(ns, device=dev) * g)[:, None])  # [ns, T]: all rows i > j
-    seg_max.view(b, lh, ns, t).masked_fill_(below | ~valid[:, None, None, :], float("-inf"))
+    sims.view(b, lh, t, t)[inv_b, :, :, inv_t] = float("-inf")  # invalid tokens j
+    # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory)
+    seg_max = sims.view(n, t, ns, g).amax(3)  # [N, T, ns]
+    below = (torch.arange(ns, device=dev)[None, :]
+             < (torch.arange(t, device=dev) // g)[:, None])  # [T, ns]: all columns j < i
+    seg_max.view(b, lh, t, ns).masked_fill_(below | ~valid[:, None, :, None], float("-inf"))
     m = min(k, ns * t)
     seg_val, seg = seg_max.view(n, -1).topk(m, dim=-1, sorted=False)  # [N, m]
-    top_row, top_col = (seg // t) * g, seg % t  # first row and column of each segment
-    start = torch.arange(n, device=dev)[:, None] * (t * t) + top_row * t + top_col  # [N, m]
-    a = torch.arange(g, device=dev)[None, :, None]
-    cand = flat.take(start[:, None, :] + a * t)  # [N, g, m]
-    # entries of excluded segments (below the diagonal, invalid j) are not pairs
-    cand.masked_fill_(torch.isneginf(seg_val)[:, None, :], float("-inf"))
+    rows = (torch.arange(n, device=dev)[:, None] * (t * ns) + seg).view(-1)
+    cand = flat.view(-1, g).index_select(0, rows).view(n, m, g)
+    # entries of excluded segments (below the diagonal, invalid i) are not pairs
+    cand.masked_fill_(torch.isneginf(seg_val)[:, :, None], float("-inf"))
     v, pos = cand.view(n, -1).topk(k, dim=-1, sorted=False)
-    v, order = v.sort(dim=-1, descending=True, stable=True)
-    pos = pos.gather(1, order)
+    if sort:
+        v, order = v.sort(dim=-1, descending=True, stable=True)
+        pos = pos.gather(1, order)
     shape = (b, n_l, n_h, k)
-    i_sel = (top_row.gather(1, pos % m) + pos // m).view(shape)
-    j_sel = top_col.gather(1, pos % m).view(shape)
+    seg_of = seg.gather(1, pos // g)
+    i_sel = (seg_of // ns).view(shape)
+    j_sel = ((seg_of % ns) * g + pos % g).view(shape)
     if total is None:
         return v.view(shape), i_sel, j_sel
     return v.view(shape), i_sel, j_sel, total.view(n_l, n_h, t, t)
@@ -817,7 +822,8 @@ class SimilarityStats:
 
         if k_max > 0:
             _, pi, pj, sim_sum = top_pairs(z, valid, k_max, metric=batch_result.metric,
-                                           return_sum=True, workspace=self._workspace)
+                                           return_sum=True, workspace=self._workspace,
+                                           sort=bool(k.min() < k_max))  # prefixes differ
             self._update_pairs(acc, layers, ids, sent, valid, k, pi, pj)
         else:  # no content pairs at all: only the mean similarity
             sim_sum = similarity_matrices(z, metric=batch_result.metric).sum(0)
