@@ -68,6 +68,8 @@ def test_run_success_cache_and_force(demo_project):
     assert "".join(nb["cells"][0]["source"]).startswith("# Demo chapter"), "title stays first"
     assert (p.assets("demo") / "figures" / "demo-random-walk.png").exists()
     assert (p.assets("demo") / "claims" / "demo-mean-small.json").exists()
+    outputs = json.dumps([c.get("outputs", []) for c in nb["cells"]])
+    assert "sha256" not in outputs, "a save_figure ending a cell must not print its sidecar"
     record = json.loads(p.run_record("demo").read_text())
     assert record["status"] == "ok" and record["parameters"]["scale"] == "smoke"
     assert not (p.generated / ".staging").exists()

@@ -149,6 +149,17 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
 
 
+class Record(dict):
+    """A saved item's sidecar: a plain dict that shows nothing when it ends a cell.
+
+    save_figure/save_table/claim already display the item; returning a bare dict would
+    print the whole sidecar under it on the chapter page.
+    """
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
 @dataclass
 class Chapter:
     """The running chapter: its name, validated parameters and where outputs go."""
@@ -354,6 +365,7 @@ def save_figure(fig, figure_id: str, caption: str) -> dict[str, Any]:
         plt.close(fig)
     sidecar = {"id": figure_id, "type": "figure", "caption": caption.strip(),
                "files": files, **_provenance(chapter)}
+    sidecar = Record(sidecar)
     atomic_write_text(folder / f"{figure_id}.json", dumps(sidecar))
 
     png = (folder / f"{figure_id}.png").read_bytes()
@@ -418,6 +430,7 @@ def save_table(table, table_id: str, caption: str) -> dict[str, Any]:
     sidecar = {"id": table_id, "type": "table", "caption": caption.strip(), "files": files,
                "columns": [str(c) for c in table.columns], "rows": int(len(table)),
                **_provenance(chapter)}
+    sidecar = Record(sidecar)
     atomic_write_text(folder / f"{table_id}.json", dumps(sidecar))
     markdown = f"```{{table}} {_one_line(caption)}\n:name: {table_id}\n\n{md_text}```\n"
     _display_markdown(markdown, {"text/html": table.to_html(index=False)})
@@ -520,11 +533,11 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
     if isinstance(paper, list):
         paper = tuple(paper)
     verdict = judge_claim(measured, paper, tolerance, kind)
-    record = {
+    record = Record({
         "id": claim_id, "type": "claim", "statement": _one_line(statement),
         "reference": reference, "kind": kind, "paper": paper, "measured": measured,
         "tolerance": tolerance, "verdict": verdict, **_provenance(chapter),
-    }
+    })
     atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
     paper_text = describe_value(paper if paper is not None else "not available")
     tol_text = "" if tolerance is None else f" · tolerance {describe_value(tolerance)}"
