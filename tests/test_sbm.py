@@ -88,17 +88,21 @@ def test_sbm_parameters_closed_form():
 # ---------------------------------------------------------------------------------------
 # fastRG sampler
 # ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key_draw", ["rejection", "search"])
 @pytest.mark.parametrize("small_blocks", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fastrg_multigraph_mean_is_P(device, small_blocks, monkeypatch):
+def test_fastrg_multigraph_mean_is_P(device, small_blocks, key_draw, monkeypatch):
     """Monte Carlo: E[#edges] = sum P and E[A] = Qhat S Khat^T within 5 standard errors,
     per entry, for two heads with different parameters, in one batched call (also with
-    tiny group and edge blocks, so that the blocked code paths are exercised)."""
-    if small_blocks:
-        import companion.sbm as sbm_module
+    tiny group and edge blocks, so that the blocked code paths are exercised), with keys
+    drawn by rejection and by inverse-CDF search."""
+    import companion.sbm as sbm_module
 
-        monkeypatch.setattr(sbm_module, "_CDF_BLOCK_ENTRIES", 15 * 5000)  # 5000 groups
-        monkeypatch.setattr(sbm_module, "_SEARCH_BLOCK", 4096)
+    threshold = {"rejection": 0.0, "search": 2.0}[key_draw]  # acceptance is at most 1
+    monkeypatch.setattr(sbm_module, "_MIN_ACCEPTANCE", threshold)
+    if small_blocks:
+        monkeypatch.setattr(sbm_module, "_TABLE_BLOCK_ENTRIES", 15 * 5000)  # 5000 groups
+        monkeypatch.setattr(sbm_module, "_DRAW_BLOCK", 4096)
     n, m, k, heads, reps = 6, 5, 3, 2, 20000
     qm, s, km = _random_sbm(n, m, k, heads=heads, seed=1, device=device)
     p = edge_probabilities(qm, s, km)[0]  # [H, n, m]

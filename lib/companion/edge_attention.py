@@ -89,7 +89,7 @@ class EdgeGraph:
         self.num_rows, self.num_cols = num_groups * n, num_groups * m
         self.num_edges = group.numel()
         device = group.device
-        row = group * n + query
+        row = torch.add(query, group, alpha=n)  # group * n + query in one pass
         # int32 indices halve the index memory whenever they fit
         fits = max(self.num_rows, self.num_cols, self.num_edges) < 2**31 - 1
         self.index_dtype = torch.int32 if fits else torch.int64
@@ -97,9 +97,9 @@ class EdgeGraph:
         if self.num_edges > 1 and not bool((row[1:] >= row[:-1]).all()):
             self.order = _stable_argsort(row, self.num_rows)
             row = row[self.order]
-            self.col = (group * m + key)[self.order].to(self.index_dtype)
+            self.col = torch.add(key, group, alpha=m)[self.order].to(self.index_dtype)
         else:
-            self.col = (group * m + key).to(self.index_dtype)
+            self.col = torch.add(key, group, alpha=m).to(self.index_dtype)
         self.counts = torch.bincount(row, minlength=self.num_rows)
         del row
         self.crow = torch.zeros(self.num_rows + 1, dtype=self.index_dtype, device=device)
@@ -135,7 +135,9 @@ class EdgeGraph:
             crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=device)
             torch.cumsum(counts_t, 0, out=crow_t[1:])
             rows = torch.arange(self.num_rows, device=device, dtype=idx)
-            row_t = rows.repeat_interleave(self.counts, output_size=self.num_edges)[perm]
+            row_t = rows.repeat_interleave(self.counts, output_size=self.num_edges)
+            # index_select, not advanced indexing: several times faster on CPU here
+            row_t = row_t.index_select(0, perm)
             self._transpose = (perm, crow_t, row_t)
         perm, crow_t, row_t = self._transpose
         with warnings.catch_warnings():
@@ -143,7 +145,7 @@ class EdgeGraph:
             return torch.sparse_csr_tensor(
                 crow_t,
                 row_t,
-                values[perm],
+                values.index_select(0, perm),
                 size=(self.num_cols, self.num_rows),
                 check_invariants=False,
             )
@@ -247,7 +249,7 @@ def _check_edges(edges, num_groups, n, m, device):
         )
     if group.numel():
         for name, t, hi in zip(names, edges, (num_groups, n, m)):
-            lo_val, hi_val = int(t.min()), int(t.max())
+            lo_val, hi_val = (int(x) for x in torch.aminmax(t))
             if lo_val < 0 or hi_val >= hi:
                 raise ValueError(
                     f"edges[{name}]: expected indices in [0, {hi}), got range [{lo_val}, {hi_val}]"

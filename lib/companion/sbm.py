@@ -54,11 +54,14 @@ __all__ = [
 
 DUPLICATE_POLICIES = ("merge", "keep")
 
-# fastRG looks up one inverse-CDF table of (rows x nodes) float64 entries at a time; groups
-# are processed in blocks so that this table stays below this many entries.
-_CDF_BLOCK_ENTRIES = 1 << 22
-# edges drawn per block in step 2 (bounded scratch memory, cache-friendly sorting)
-_SEARCH_BLOCK = 1 << 16
+# fastRG keeps the key weights (or their inverse-CDF table) of (groups x clusters) rows of
+# m keys at a time; groups are processed in blocks so that these stay below this many entries
+_TABLE_BLOCK_ENTRIES = 1 << 22
+# keys are drawn by rejection from the uniform proposal when every row of a block accepts
+# at least this fraction of proposals (mean / max weight), else by inverse-CDF search
+_MIN_ACCEPTANCE = 1 / 8
+# edges drawn per step in step 2 (bounded scratch memory, cache-friendly look-ups)
+_DRAW_BLOCK = 1 << 18
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,36 +255,52 @@ def fastrg_sample(
         del q_weight
         ends = torch.cumsum(counts, 0)  # edges of cell c are ends[c] - counts[c] .. ends[c]
         num_edges = int(ends[-1])
-        group = torch.empty(num_edges, dtype=torch.int64, device=device)
-        query = torch.empty_like(group)
+        # cells are ordered (group, query, b), so are the edges: group and query of every
+        # edge follow from the per-query edge counts
+        row_counts = counts.view(num_groups * n, kc).sum(1)
+        group = torch.repeat_interleave(
+            torch.arange(num_groups, device=device),
+            row_counts.view(num_groups, n).sum(1),
+            output_size=num_edges,
+        )
+        query = torch.arange(n, device=device).repeat(num_groups)
+        query = query.repeat_interleave(row_counts, output_size=num_edges)
+        del row_counts
         key = torch.empty_like(group)
         # step 2 in blocks of cells (bounded scratch) within blocks of groups (bounded
-        # CDF tables); cells are ordered (group, query, b), so are the edges
+        # tables): keys by rejection from the uniform proposal where it accepts often
+        # enough (no table to build, one look-up per proposal), else by inverse-CDF search
         cells_per_group = n * kc
-        per_block = max(1, _CDF_BLOCK_ENTRIES // (m * kc))
-        cells_per_step = max(kc, _SEARCH_BLOCK * counts.numel() // max(num_edges, 1))
+        per_block = max(1, _TABLE_BLOCK_ENTRIES // (m * kc))
+        cells_per_step = max(kc, _DRAW_BLOCK * counts.numel() // max(num_edges, 1))
         for g0 in range(0, num_groups, per_block):
             g1 = min(g0 + per_block, num_groups)
-            table = last = None
+            weights = cdf = last = row_max = None
             for c0 in range(g0 * cells_per_group, g1 * cells_per_group, cells_per_step):
                 c1 = min(c0 + cells_per_step, g1 * cells_per_group)
                 e0, e1 = int(ends[c0] - counts[c0]), int(ends[c1 - 1])
                 if e1 == e0:
                     continue
-                if table is None:
+                if weights is None:
                     weights = km[g0:g1].transpose(1, 2).reshape((g1 - g0) * kc, m)
-                    table, last = _cdf_table(weights)
-                cell = torch.repeat_interleave(
-                    torch.arange(c0, c1, device=device), counts[c0:c1], output_size=e1 - e0
-                )
-                row = torch.div(cell, kc, rounding_mode="floor")
-                cluster_b = cell - row * kc
+                    row_max = weights.amax(1).to(torch.float64)
+                    row_mean = weights.sum(1, dtype=torch.float64) / m
+                    used = row_max > 0  # rows without mass are never asked for
+                    acceptance = row_mean[used] / row_max[used]
+                    if acceptance.numel() and float(acceptance.min()) < _MIN_ACCEPTANCE:
+                        cdf, last = _cdf_table(weights)
+                        weights = row_max = None
+                # table row of cell c: (group - g0) * kc + b
+                cell = torch.arange(c0, c1, device=device)
+                table_row = cell % kc
+                table_row += (cell // cells_per_group - g0) * kc
+                table_row = table_row.repeat_interleave(counts[c0:c1], output_size=e1 - e0)
                 del cell
-                g = torch.div(row, n, rounding_mode="floor")
-                group[e0:e1] = g
-                query[e0:e1] = row - g * n
-                key[e0:e1] = _search_rows(table, last, (g - g0) * kc + cluster_b, generator)
-            del table, last
+                if cdf is None:
+                    key[e0:e1] = _rejection_draw(weights, row_max, table_row, generator)
+                else:
+                    key[e0:e1] = _search_rows(cdf, last, table_row, generator)
+            del weights, cdf, last, row_max
         del counts, ends
 
         if self_loops:
@@ -354,6 +373,43 @@ def _search_rows(
     del u
     col -= row * width
     return torch.minimum(col, last[row])
+
+
+def _rejection_draw(
+    table: torch.Tensor, row_max: torch.Tensor, row: torch.Tensor, generator
+) -> torch.Tensor:
+    """Draw one column per entry of ``row`` with ``Pr[c] = table[r, c] / sum table[r]``
+    by rejection from the uniform proposal: propose ``c`` uniformly, accept with
+    probability ``table[r, c] / row_max[r]``; rejected draws are proposed again.  Exact;
+    one look-up per proposal and no table to build, expected ``row_max / mean`` proposals
+    per draw (about two for sigmoid memberships, and bounded by the caller, which falls
+    back to :func:`_search_rows` for skewed rows)."""
+    width = table.shape[1]
+    flat_table = table.reshape(-1)
+    out = torch.empty(row.numel(), dtype=torch.int64, device=row.device)
+    pending = None  # indices into out still to draw (None: all of them)
+    base = row * width
+    limit = row_max[row]
+    while base.numel():
+        # one float64 uniform gives the column (integer part of x) and the coin
+        # (fractional part: 53 - log2(width) random bits)
+        x = torch.rand(base.numel(), generator=generator, device=row.device, dtype=torch.float64)
+        x.mul_(width)
+        col = x.to(torch.int64).clamp_(max=width - 1)
+        coin = x.sub_(col).mul_(limit)
+        accept = coin < flat_table.take(base + col)
+        del x, coin
+        # write every proposal; the rejected ones are overwritten in a later round
+        rejected = torch.nonzero(~accept).squeeze(1)
+        if pending is None:
+            out.copy_(col)
+            pending = rejected
+        else:
+            out.index_copy_(0, pending, col)
+            pending = pending.index_select(0, rejected)
+        base = base.index_select(0, rejected)
+        limit = limit.index_select(0, rejected)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
