@@ -17,8 +17,8 @@ back-propagated with the straight-through estimator ``grad_P = hardtanh(A * grad
 Sampling uses fastRG (Rohe et al., 2018): ``P`` is never formed; the number of edges is
 Poisson with mean ``sum(P)``, and each edge draws a cluster pair and then its two
 endpoints (drawn here in query-major order, see :func:`fastrg_sample`).  Time
-``O(edges log m + (n + m) k + n k^2)`` (the last term is one GEMM, ``Qhat S``) and
-memory ``O(edges + (n + m) k + k^2)`` per head.
+``O(edges + (n + m) k + n k^2)`` (expected, keys by rejection; the last term is one
+GEMM, ``Qhat S``) and memory ``O(edges + (n + m) k + k^2)`` per head.
 
 Public API: :func:`sbm_parameters`, :func:`edge_probabilities`, :func:`fastrg_sample`,
 :func:`companion.edge_attention.edge_attention` (re-exported here), :class:`SBMAttention`,
@@ -186,8 +186,12 @@ def fastrg_sample(
     2. each such edge draws its key ``j ~ Khat[:, b] / colsum_b(Khat)``.
 
     Then ``Pr[edge = (i, j)] = sum_ab Qhat_ia S_ab Khat_jb / sum P = P_ij / sum P``, as in
-    fastRG.  Step 2 is an inverse-CDF look-up batched over all edges of all groups;
-    no ``n x m`` tensor is ever formed.
+    fastRG.  Step 2 is batched over all edges of all groups; no ``n x m`` tensor is ever
+    formed.  Each key is drawn by rejection from the uniform proposal (propose ``j``
+    uniformly, accept with probability ``Khat_jb / max_j Khat_jb``: exact, no table,
+    about two look-ups per edge for sigmoid memberships) when every key cluster of a
+    block of groups accepts at least 1/8 of the proposals; otherwise (skewed clusters)
+    by an inverse-CDF search over the cumulative sums of ``Khat[:, b]``.
 
     Parameters
     ----------
@@ -221,7 +225,8 @@ def fastrg_sample(
 
     Complexity
     ----------
-    Time ``O(E log(m k) + G (n + m) k + G n k^2)`` (the last term one GEMM, ``Qhat S``),
+    Time ``O(E + G (n + m) k + G n k^2)`` in expectation with rejection (``O(E log(m k))``
+    with the search fallback; the last term is one GEMM, ``Qhat S``),
     memory ``O(E + G (n + m) k + G k^2)`` for ``G`` groups and ``E`` edges.
     """
     if duplicates not in DUPLICATE_POLICIES:
