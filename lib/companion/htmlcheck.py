@@ -27,23 +27,7 @@ def find_browser() -> tuple[str | None, str | None]:
 
 def toc_pages(project) -> list[str]:
     """The HTML paths of every page in the table of contents, root first."""
-    import yaml
-
-    toc = yaml.safe_load((project.root / "_toc.yml").read_text())
-    files = [toc["root"]]
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("file"), str) and node["file"] not in files:
-                files.append(node["file"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(toc)
-    return [f + ".html" for f in files]
+    return [f + ".html" for f in project.toc_files()]
 
 
 @dataclass

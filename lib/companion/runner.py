@@ -95,18 +95,18 @@ class Project:
     def log(self, name: str) -> Path:
         return self.generated / "logs" / f"{name}.log"
 
-    def toc_chapters(self) -> list[str]:
-        """Chapter names in table-of-contents order (entries under _generated/chapters/)."""
+    def toc_files(self) -> list[str]:
+        """Every page of ``_toc.yml`` (root first), as paths without suffix."""
         import yaml
 
         toc = yaml.safe_load((self.root / "_toc.yml").read_text())
-        names: list[str] = []
+        files: list[str] = [toc["root"]]
 
         def walk(node: Any) -> None:
             if isinstance(node, dict):
                 f = node.get("file")
-                if isinstance(f, str) and f.startswith("book/_generated/chapters/"):
-                    names.append(Path(f).name)
+                if isinstance(f, str) and f not in files:
+                    files.append(f)
                 for value in node.values():
                     walk(value)
             elif isinstance(node, list):
@@ -114,7 +114,12 @@ class Project:
                     walk(item)
 
         walk(toc)
-        return names
+        return files
+
+    def toc_chapters(self) -> list[str]:
+        """Chapter names in table-of-contents order (entries under _generated/chapters/)."""
+        prefix = "book/_generated/chapters/"
+        return [Path(f).name for f in self.toc_files() if f.startswith(prefix)]
 
     def chapter_names(self) -> list[str]:
         on_disk = sorted(p.stem for p in self.chapters_dir.glob("*.md"))
