@@ -204,8 +204,10 @@ def test_pathfinder_small_canvas_ink_does_not_give_the_label_away():
     # both classes mark one snake start and one (possibly border-clipped) snake end
     data = pathfinder.generate(400, seed=1, size=12, contour_length=3, num_distractors=0)
     shortcuts = pathfinder.shortcut_accuracies(data)
-    assert set(shortcuts) == {"marker distance", "ink pixels", "total ink"}
+    assert set(shortcuts) == {"marker distance", "marker to border", "ink pixels",
+                              "total ink"}
     assert shortcuts["ink pixels"] < 0.62 and shortcuts["total ink"] < 0.62
+    assert shortcuts["marker to border"] < 0.62
 
 
 def test_pathfinder_validates():

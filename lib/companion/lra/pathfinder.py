@@ -371,12 +371,16 @@ def shortcut_accuracies(data: PathfinderSet) -> dict:
     """Best one-threshold accuracies of cheap statistics that ignore connectivity.
 
     ``marker distance``: Euclidean distance between the two marker pixels;
+    ``marker to border``: pixels between the border and the marker closest to it;
     ``ink pixels``: number of non-black pixels; ``total ink``: sum of intensities.
     A model that traces paths should beat all of them.
     """
-    dist = (data.markers[:, 0] - data.markers[:, 1]).to(torch.float64).norm(dim=1)
+    markers = data.markers.to(torch.float64)
+    dist = (markers[:, 0] - markers[:, 1]).norm(dim=1)
+    size = data.images.shape[-1]
+    border = torch.minimum(markers, size - 1 - markers).amin((1, 2))
     images = data.images.to(torch.float64)
-    feats = {"marker distance": dist,
+    feats = {"marker distance": dist, "marker to border": border,
              "ink pixels": (images > 0).sum((1, 2)).to(torch.float64),
              "total ink": images.sum((1, 2))}
     return {name: best_threshold_accuracy(f.cpu(), data.labels.cpu())
