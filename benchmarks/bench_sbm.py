@@ -94,9 +94,14 @@ def _memberships(n: int, density: float, seed: int):
     return qm, s, km
 
 
-def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: int = 0):
-    """Time (``mode="time"``) or measure the peak memory (``mode="memory"``, in a process
-    started with ``MALLOC_MMAP_THRESHOLD_=65536``) of one method at one configuration."""
+def workloads(n: int, density: float, seed: int = 0, device=None):
+    """The three timed workloads at one configuration, forward + backward each.
+
+    Returns ``(runs, info)``: ``runs`` maps "edge" (fastRG sampling + edge attention),
+    "dense_masked" (Bernoulli mask over dense P + dense masked attention) and "sdpa"
+    (dense torch SDPA) to a callable; ``info["edges_per_head"]`` is set by the edge run.
+    Shared with ``gpu_check_sbm.py`` so the GPU times the same work as the CPU benchmark.
+    """
     import torch
 
     from companion.sbm import (
@@ -106,10 +111,12 @@ def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: i
         fastrg_sample,
     )
 
+    device = torch.device(device or "cpu")
     torch.manual_seed(seed)
-    qm, s, km = _memberships(n, density, seed)
-    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, requires_grad=True) for _ in range(3))
-    gen = torch.Generator().manual_seed(seed + 1)
+    qm, s, km = (t.to(device) for t in _memberships(n, density, seed))
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, device=device, requires_grad=True)
+               for _ in range(3))
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     info: dict = {}
 
     def clear_grads():
@@ -133,7 +140,26 @@ def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: i
         torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
         clear_grads()
 
-    run = {"edge": run_edge, "dense_masked": run_dense_masked, "sdpa": run_sdpa}[method]
+    def edge_split():
+        """One edge run timed in two parts: (sampling seconds, attention seconds)."""
+        t0 = time.perf_counter()
+        edges = fastrg_sample(qm, s, km, gen)
+        t1 = time.perf_counter()
+        edge_attention(q, k, v, edges).sum().backward()
+        t2 = time.perf_counter()
+        clear_grads()
+        return t1 - t0, t2 - t1
+
+    runs = {"edge": run_edge, "dense_masked": run_dense_masked, "sdpa": run_sdpa}
+    info["edge_split"] = edge_split
+    return runs, info
+
+
+def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: int = 0):
+    """Time (``mode="time"``) or measure the peak memory (``mode="memory"``, in a process
+    started with ``MALLOC_MMAP_THRESHOLD_=65536``) of one method at one configuration."""
+    runs, info = workloads(n, density, seed)
+    run = runs[method]
     out = {"n": n, "density": density, "method": method}
     t0 = time.perf_counter()
     run()  # warm-up (first-call costs), also sizes the repeats
@@ -155,14 +181,9 @@ def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: i
         # split: sampler alone and attention alone
         samp, attn = [], []
         for _ in range(1 if first > 2 else 3):
-            t0 = time.perf_counter()
-            edges = fastrg_sample(qm, s, km, gen)
-            t1 = time.perf_counter()
-            edge_attention(q, k, v, edges).sum().backward()
-            attn.append(time.perf_counter() - t1)
-            samp.append(t1 - t0)
-            clear_grads()
-            del edges
+            sample_s, attention_s = info["edge_split"]()
+            samp.append(sample_s)
+            attn.append(attention_s)
         out.update(
             sample_s=statistics.median(samp),
             attention_s=statistics.median(attn),

@@ -27,18 +27,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADS, HEAD_DIM, CLUSTERS = 2, 32, 128
-
-
-def _memberships(n, density, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    qm = torch.sigmoid(torch.randn(1, HEADS, n, CLUSTERS, generator=g))
-    km = torch.sigmoid(torch.randn(1, HEADS, n, CLUSTERS, generator=g))
-    s = torch.softmax(torch.randn(HEADS, CLUSTERS * CLUSTERS, generator=g), -1)
-    s = s.reshape(HEADS, CLUSTERS, CLUSTERS)
-    total = (qm.sum(2)[..., None, :] @ s @ km.sum(2)[..., :, None]).reshape(1, HEADS)
-    qm = qm * (density * n * n / total)[..., None, None]
-    return qm.to(device), s.to(device), km.to(device)
 
 
 def _measure(fn, device, repeats=5):
@@ -60,45 +48,15 @@ def _measure(fn, device, repeats=5):
 
 
 def timing(device) -> list[dict]:
-    from companion.sbm import (
-        dense_masked_attention,
-        edge_attention,
-        edge_probabilities,
-        fastrg_sample,
-    )
+    # The same workloads as the CPU benchmark (bench_sbm.workloads), on this device.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_sbm import workloads
 
     rows = []
     for n, density in ((4096, 0.05), (8192, 0.01)):
-        qm, s, km = _memberships(n, density, device)
-        q, k, v = (
-            torch.randn(1, HEADS, n, HEAD_DIM, device=device, requires_grad=True) for _ in range(3)
-        )
-        gen = torch.Generator(device=device).manual_seed(1)
-        info = {}
-
-        def clear():
-            for t in (q, k, v):
-                t.grad = None
-
-        def edge():
-            edges = fastrg_sample(qm, s, km, gen)
-            edge_attention(q, k, v, edges).sum().backward()
-            info["edges_per_head"] = edges[0].numel() / HEADS
-            clear()
-
-        def dense_masked():
-            p = edge_probabilities(qm, s, km)
-            mask = torch.bernoulli(p.clamp_(0, 1), generator=gen).bool()
-            del p
-            dense_masked_attention(q, k, v, mask).sum().backward()
-            clear()
-
-        def sdpa():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
-            clear()
-
+        runs, info = workloads(n, density, seed=0, device=device)
         row = {"n": n, "density": density}
-        for name, fn in (("edge", edge), ("dense_masked", dense_masked), ("sdpa", sdpa)):
+        for name, fn in runs.items():
             try:
                 row[f"{name}_s"], row[f"{name}_peak_mb"] = _measure(fn, device)
             except torch.cuda.OutOfMemoryError as exc:  # report, do not hide
