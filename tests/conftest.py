@@ -44,6 +44,17 @@ def make_project(root: Path, chapters: dict[str, Path]) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a test module of small problems (restored afterwards)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def demo_project(tmp_path):
     from companion.runner import Project

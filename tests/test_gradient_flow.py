@@ -18,13 +18,8 @@ from companion import gradient_flow as gf
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small problems: thread start-up costs more than it saves on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Small problems: a second intra-op thread only adds contention on a shared machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_step(x, D, f, sigma, dW, dt, sign):

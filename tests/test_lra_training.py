@@ -18,13 +18,8 @@ from companion.lra.train import TrainConfig, evaluate, main, train
 from companion.sbm import density_regularizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: a second intra-op thread only adds contention on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Small problems: a second intra-op thread only adds contention on a shared machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _batch(seed=0, n=8, length=24, pad_from=18):
