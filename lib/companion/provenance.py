@@ -169,7 +169,7 @@ class Chapter:
     output_dir: Path
     asset_url: str
     device: Any = None
-    started: str = field(default_factory=lambda: _now())
+    started: str = field(default_factory=lambda: now_iso())
     used_ids: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -196,7 +196,8 @@ class Chapter:
 _ACTIVE: Chapter | None = None
 
 
-def _now() -> str:
+def now_iso() -> str:
+    """The current UTC time, ISO 8601, to the second."""
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
@@ -312,7 +313,7 @@ def _provenance(chapter: Chapter) -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
         "versions": package_versions(),
-        "created": _now(),
+        "created": now_iso(),
     }
 
 

@@ -434,7 +434,7 @@ def run_chapter(
     echo(f"[start] {name} (scale={params['scale']}, device={params['device']})")
     record: dict[str, Any] = {
         "chapter": name, "parameters": params, "defaults": defaults, "cache_key": key,
-        "git_commit": commit, "git_dirty": dirty, "started": prov._now(),
+        "git_commit": commit, "git_dirty": dirty, "started": prov.now_iso(),
         "command": rerun_command(name, params, defaults),
         "device": params["device"],
     }
@@ -452,21 +452,21 @@ def run_chapter(
             except pm.PapermillExecutionError as exc:
                 raise ChapterError(_papermill_error(exc, pidx)) from None
         executed = read_notebook_ipynb(output_nb)
-        record["device"] = _detected_device(executed, params["device"])
-        record.update(status="ok", seconds=time.time() - started, finished=prov._now())
+        record["device"] = _detected_device(params["device"])
+        record.update(status="ok", seconds=time.time() - started, finished=prov.now_iso())
         _strip_tagged(executed, STALE_TAG)
         _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
         _publish(project, name, executed, staging_assets)
         prov.atomic_write_text(project.run_record(name), prov.dumps(record))
         echo(f"[ok {record['seconds']:.1f}s] {name}")
         return RunResult(name, "ok", record["seconds"], record=record)
-    except (ChapterError, Exception) as exc:  # noqa: BLE001 - any failure marks stale
+    except Exception as exc:  # noqa: BLE001 - any failure (ChapterError included) marks stale
         failed_nb = output_nb if output_nb.exists() else None
         if failed_nb:
             shutil.copyfile(failed_nb, project.log(name).with_suffix(".failed.ipynb"))
         error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
         record.update(status="failed", error=error, seconds=time.time() - started,
-                      finished=prov._now())
+                      finished=prov.now_iso())
         good = previous if previous and previous.get("status") == "ok" else (
             previous.get("last_good") if previous else None)
         record["last_good"] = good
@@ -502,7 +502,7 @@ def read_notebook_ipynb(path: Path):
     return nbformat.read(str(path), as_version=4)
 
 
-def _detected_device(nb, requested: str) -> str:
+def _detected_device(requested: str) -> str:
     """The device the chapter really used, as begin_chapter resolved it ("auto" -> cpu)."""
     if requested != "auto":
         return requested
