@@ -88,18 +88,23 @@ def test_sbm_parameters_closed_form():
 # ---------------------------------------------------------------------------------------
 # fastRG sampler
 # ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cpu_draws", ["numpy", "torch"])
 @pytest.mark.parametrize("key_draw", ["rejection", "search"])
 @pytest.mark.parametrize("small_blocks", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fastrg_multigraph_mean_is_P(device, small_blocks, key_draw, monkeypatch):
+def test_fastrg_multigraph_mean_is_P(device, small_blocks, key_draw, cpu_draws, monkeypatch):
     """Monte Carlo: E[#edges] = sum P and E[A] = Qhat S Khat^T within 5 standard errors,
     per entry, for two heads with different parameters, in one batched call (also with
     tiny group and edge blocks, so that the blocked code paths are exercised), with keys
-    drawn by rejection and by inverse-CDF search."""
+    drawn by rejection and by inverse-CDF search, and on CPU with numpy's draws and with
+    torch's (the path CUDA takes)."""
     import companion.sbm as sbm_module
 
+    if device == "cuda" and cpu_draws == "numpy":
+        pytest.skip("numpy draws are a CPU path")
     threshold = {"rejection": 0.0, "search": 2.0}[key_draw]  # acceptance is at most 1
     monkeypatch.setattr(sbm_module, "_MIN_ACCEPTANCE", threshold)
+    monkeypatch.setattr(sbm_module, "_CPU_DRAWS", cpu_draws)
     if small_blocks:
         monkeypatch.setattr(sbm_module, "_TABLE_BLOCK_ENTRIES", 15 * 5000)  # 5000 groups
         monkeypatch.setattr(sbm_module, "_DRAW_BLOCK", 4096)
