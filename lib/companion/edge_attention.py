@@ -80,7 +80,7 @@ class EdgeGraph:
     permutation (``sorted[e] = given[order[e]]``).  The transposed (column-major) CSR,
     needed for gradients of keys and values, is built on first use.
 
-    Memory: one index per edge (two more once transposed), int32 when they fit, and
+    Memory: two indices per edge (two more once transposed), int32 when they fit, and
     ``O(G (n + m))``.
     """
 
@@ -100,10 +100,13 @@ class EdgeGraph:
             self.col = torch.add(key, group, alpha=m)[self.order].to(self.index_dtype)
         else:
             self.col = torch.add(key, group, alpha=m).to(self.index_dtype)
-        self.counts = torch.bincount(row, minlength=self.num_rows)
-        del row
-        self.crow = torch.zeros(self.num_rows + 1, dtype=self.index_dtype, device=device)
-        torch.cumsum(self.counts, 0, out=self.crow[1:])
+        # rows are sorted: row r's edges start at the first edge whose row is >= r
+        bounds = torch.arange(self.num_rows + 1, device=device, dtype=row.dtype)
+        self.crow = torch.searchsorted(row, bounds).to(self.index_dtype)
+        self.counts = self.crow.diff()
+        # each edge's row, kept for the transposed CSR of the backward pass
+        self.row = row.to(self.index_dtype)
+        del row, bounds
         self._transpose = None
 
     def spread(self, per_row: torch.Tensor) -> torch.Tensor:
@@ -134,10 +137,8 @@ class EdgeGraph:
             counts_t = torch.bincount(self.col, minlength=self.num_cols)
             crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=device)
             torch.cumsum(counts_t, 0, out=crow_t[1:])
-            rows = torch.arange(self.num_rows, device=device, dtype=idx)
-            row_t = rows.repeat_interleave(self.counts, output_size=self.num_edges)
             # index_select, not advanced indexing: several times faster on CPU here
-            row_t = row_t.index_select(0, perm)
+            row_t = self.row.index_select(0, perm)
             self._transpose = (perm, crow_t, row_t)
         perm, crow_t, row_t = self._transpose
         with warnings.catch_warnings():
