@@ -30,6 +30,14 @@ def smoke_project(tmp_path_factory):
     return runner.Project(root)
 
 
+# figures the prose of a chapter refers to by number, checked at smoke scale too
+EXPECTED_FIGURES = {
+    "gradient_flow": {"gradient-flow-snapshots", "gradient-flow-slope-vs-heads",
+                      "gradient-flow-energy-balance", "gradient-flow-residual-dt",
+                      "gradient-flow-sign", "gradient-flow-stability"},
+}
+
+
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_executes_at_smoke_scale(smoke_project, name):
     lines: list[str] = []
@@ -38,7 +46,10 @@ def test_chapter_executes_at_smoke_scale(smoke_project, name):
     RESULTS[name] = result
     assert result.status == "ok", f"{name}: {result.error}\n" + "\n".join(lines)
     assets = smoke_project.assets(name)
-    assert list((assets / "figures").glob("*.png")), f"{name} saved no figure"
+    figures = {p.stem for p in (assets / "figures").glob("*.png")}
+    assert figures, f"{name} saved no figure"
+    missing = EXPECTED_FIGURES.get(name, set()) - figures
+    assert not missing, f"{name} did not save {sorted(missing)}"
     assert list((assets / "claims").glob("*.json")), f"{name} recorded no claim"
 
 

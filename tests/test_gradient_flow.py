@@ -1,13 +1,8 @@
 """Tests for companion.gradient_flow against independent float64 references."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +10,6 @@ import torch
 
 from companion import gradient_flow as gf
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # Small problems: a second intra-op thread only adds contention on a shared machine.
@@ -308,30 +302,3 @@ def test_simulate_rejects_unknown_process():
     D = gf.initial_weights(2, 3, paths=1)
     with pytest.raises(TypeError, match="process"):
         gf.simulate(x, D, "ou", T=1.0, dt=0.1)
-
-
-CHAPTER = ROOT / "chapters" / "gradient_flow.md"
-
-
-@pytest.mark.skipif(
-    not CHAPTER.exists() or importlib.util.find_spec("companion.provenance") is None
-    or shutil.which("jupytext", path=str(Path(sys.executable).parent)) is None,
-    reason="chapter, provenance or jupytext not available",
-)
-def test_chapter_runs_at_smoke_scale(tmp_path, monkeypatch):
-    # outputs go to tmp_path, not to the book's generated assets
-    monkeypatch.setenv("COMPANION_OUTPUT_DIR", str(tmp_path / "assets"))
-    monkeypatch.setenv("COMPANION_CHAPTER", "gradient_flow")
-    bindir = Path(sys.executable).parent
-    nb = tmp_path / "gradient_flow.ipynb"
-    subprocess.run([str(bindir / "jupytext"), "--to", "ipynb", "-o", str(nb), str(CHAPTER)],
-                   check=True, capture_output=True)
-    import papermill
-
-    papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"),
-                               parameters={"scale": "smoke", "device": "cpu"},
-                               cwd=str(ROOT), progress_bar=False)
-    figures = {p.stem for p in (tmp_path / "assets").rglob("*.png")}
-    assert {"gradient-flow-snapshots", "gradient-flow-slope-vs-heads",
-            "gradient-flow-energy-balance", "gradient-flow-residual-dt",
-            "gradient-flow-sign", "gradient-flow-stability"} <= figures
