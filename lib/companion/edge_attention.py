@@ -139,6 +139,7 @@ class EdgeGraph:
             torch.cumsum(counts_t, 0, out=crow_t[1:])
             # index_select, not advanced indexing: several times faster on CPU here
             row_t = self.row.index_select(0, perm)
+            self.row = None  # only the transpose needed it: free it before the peak
             self._transpose = (perm, crow_t, row_t)
         perm, crow_t, row_t = self._transpose
         with warnings.catch_warnings():
@@ -216,8 +217,10 @@ class _EdgeAttention(torch.autograd.Function):
             # d a_f / d w_e = u_e (delta_ef - a_f)  =>  dL/dw_e = u_e (grad_a_e - row_dot_i)
             gw = grad_a.sub_(graph.spread(row_dot)).mul_(u)
             if need_w:
-                grad_w = gw.to(weight.dtype)
-            gs = gw * scale if w is None else gw * w * scale  # dL/ds_e = w_e dL/dw_e
+                grad_w = gw.to(weight.dtype, copy=True)
+            # dL/ds_e = w_e dL/dw_e, in place: one number per edge less at the peak
+            gs = gw if w is None else gw.mul_(w)
+            gs.mul_(scale)
             if need_q:
                 grad_q = (graph.matrix(gs) @ ka).to(q2.dtype)
             if need_k:
