@@ -139,6 +139,32 @@ def test_head_outputs_and_similarities_match_per_head_reference(minilm64):
     torch.testing.assert_close(kept.diagonal(dim1=-2, dim2=-1), (ho.outputs ** 2).sum(-1))
 
 
+
+def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):
+    """The maps kept in a buffer are those of the model's eager attention; the configured
+    implementation is restored; a workspace is reused (and overwritten) by the next call."""
+    model, tok = minilm64
+    w = _small_windows(tok)
+    batch = w[:2].batch()
+    with torch.no_grad():
+        own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    output_attentions=True)
+    ho = head_outputs(model, batch)
+    assert model.config._attn_implementation == "eager"
+    torch.testing.assert_close(ho.attentions, torch.stack(own.attentions, 1), atol=1e-12,
+                               rtol=0)
+    workspace = {}
+    first = analyse_batch(model, batch, workspace=workspace)
+    kept = [a.clone() for a in first.attentions]
+    assert all(torch.equal(a, b) for a, b in zip(kept, ho.attentions.unbind(1)))
+    swapped = {key: value.flip(0) for key, value in batch.items()}  # other maps, same shape
+    second = analyse_batch(model, swapped, workspace=workspace)
+    assert second.attentions[0].data_ptr() == first.attentions[0].data_ptr()
+    assert not torch.equal(first.attentions[0], kept[0])  # overwritten, as documented
+    with pytest.raises(RuntimeError, match="runs only inside"):
+        cs._eager_attention_into_buffer(None, *(torch.zeros(1, 1, 2, 2),) * 3, None)
+
+
 def test_post_wo_contributions_sum_to_the_projection(minilm64):
     model, tok = minilm64
     batch = _small_windows(tok)[:2].batch()
@@ -195,6 +221,34 @@ def test_top_pairs_equal_brute_force(t, segment):
             v2.isneginf(), -1)
         assert torch.equal(key.sort(-1).values, key2.sort(-1).values)
         assert torch.equal(v.sort(-1).values, v2.sort(-1).values)
+
+
+
+@pytest.mark.parametrize("t,segment", [(128, 16), (24, 4), (37, 16)])
+def test_top_pairs_with_fewer_pairs_than_k(t, segment):
+    """Windows with a handful of valid tokens: their pairs first, then -inf (never garbage
+    from masked tiles or columns), in float32 as the analysis runs."""
+    gen = torch.Generator().manual_seed(100 + t)
+    b, n_l, n_h, d = 3, 2, 2, 6
+    z = torch.randn(b, n_l, n_h, t, d, generator=gen)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    valid[0, [1, 5, t - 2]] = True  # 3 pairs, far apart
+    valid[1, 2:9] = True  # 21 pairs inside one block
+    valid[2, 1:t - 1] = True  # all but the ends
+    k = 25
+    iu, ju = torch.triu_indices(t, t, 1)
+    for m in (None, torch.eye(d).expand(n_l, n_h, d, d) * 2.0):
+        v, i, j = top_pairs(z, valid, k, metric=m, segment=segment)
+        full = similarity_matrices(z, metric=m)
+        ok = valid[:, iu] & valid[:, ju]
+        ref = full[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf")).topk(k, dim=-1)
+        for w in range(b):
+            kw = min(k, int(ok[w].sum()))
+            torch.testing.assert_close(v[w, ..., :kw], ref.values[w, ..., :kw])
+            assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
+            assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
+            assert v[w, ..., kw:].isneginf().all()
+            assert valid[w, i[w, ..., :kw]].all() and valid[w, j[w, ..., :kw]].all()
 
 
 # ------------------------------------------------------------------ statistics

@@ -30,7 +30,7 @@ Functions
     a BERT-family model (default: the bundled all-MiniLM-L6-v2) and its tokenizer, offline.
 :func:`head_outputs`
     per-layer, per-head output vectors ``[B, L, H, T, d]`` (forward pre-hooks on every
-    ``attention.output.dense``) and the attention maps ``[B, L, H, T, T]``.
+    ``attention.output.dense``) and the eager attention maps ``[B, L, H, T, T]``.
 :func:`similarity_matrices`
     ``[B, L, H, T, T]`` in one batched matrix product.
 :func:`top_pairs`
@@ -314,7 +314,9 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
 
     A forward pre-hook on each layer's ``attention.output.dense`` (the ``W_O``
     projection) captures its input, the concatenated per-head context ``[B, T, H*d]``
-    (value bias included), which is split into heads.
+    (value bias included), which is split into heads. The attention maps are the eager
+    attention's probabilities, computed by a registered attention function that keeps
+    them in one buffer (the model's configured implementation is restored afterwards).
 
     Parameters
     ----------
@@ -349,9 +351,96 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
     return HeadOutputs(z, torch.stack(attentions, dim=1))
 
 
+# The attention maps come from our own registered attention function: the eager
+# computation (scores, additive mask, softmax, probabilities times values), written into
+# one buffer per call instead of fresh [B, H, T, T] tensors per layer. Keeping fresh maps
+# alive for the whole batch (``output_attentions=True``) made every layer's allocation a
+# new mapping of pages, and cost more than the rest of the eager attention together.
+ATTENTION_INTO_BUFFER = "companion_eager_into_buffer"
+_SINK_KWARG = "companion_attention_maps"
+
+
+class _AttentionMaps:
+    """The attention probabilities of one forward pass, layer by layer (call order).
+
+    ``buffer`` is ``[L, B, H, T, T]``; with a ``workspace`` dict it is reused between
+    passes of equal shape, dtype and device (so the maps of a pass are overwritten by the
+    next one).
+    """
+
+    def __init__(self, n_layers: int, workspace: dict | None = None):
+        self.n_layers = n_layers
+        self.workspace = workspace
+        self.buffer: torch.Tensor | None = None
+        self.calls = 0
+
+    def next_layer(self, shape, dtype, device) -> torch.Tensor:
+        if self.calls >= self.n_layers:
+            raise RuntimeError(
+                f"model: more attention calls than the {self.n_layers} layers in one pass")
+        full = (self.n_layers, *shape)
+        if self.buffer is None:
+            cached = None if self.workspace is None else self.workspace.get("attention_maps")
+            if (cached is not None and tuple(cached.shape) == full and cached.dtype == dtype
+                    and cached.device == torch.device(device)):
+                self.buffer = cached
+            else:
+                self.buffer = torch.empty(full, dtype=dtype, device=device)
+                if self.workspace is not None:
+                    self.workspace["attention_maps"] = self.buffer
+        if tuple(self.buffer.shape) != full:
+            raise RuntimeError(f"model: attention layers of different shapes {shape} in one pass")
+        out = self.buffer[self.calls]
+        self.calls += 1
+        return out
+
+
+def _eager_attention_into_buffer(module, query, key, value, attention_mask, scaling=None,
+                                 dropout=0.0, **kwargs):
+    """Eager attention (as ``transformers``' BERT computes it) writing its maps into a buffer.
+
+    ``softmax(scale q k^T + mask) v`` with the probabilities left in the next layer slice of
+    the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward.
+    """
+    sink = kwargs.get(_SINK_KWARG)
+    if not isinstance(sink, _AttentionMaps):
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_INTO_BUFFER!r} runs only inside "
+            "companion.context_similarity.head_outputs / analyse_batch")
+    if dropout:
+        raise ValueError("model: attention dropout is active (call model.eval())")
+    bsz, n_heads, t_q, d = query.shape
+    t_k = key.shape[2]
+    if scaling is None:
+        scaling = d ** -0.5
+    maps = sink.next_layer((bsz, n_heads, t_q, t_k), query.dtype, query.device)
+    scores = maps.view(bsz * n_heads, t_q, t_k)
+    torch.baddbmm(scores, query.reshape(bsz * n_heads, t_q, d),
+                  key.reshape(bsz * n_heads, t_k, d).transpose(1, 2),
+                  beta=0, alpha=scaling, out=scores)
+    if attention_mask is not None:
+        maps.add_(attention_mask)
+    torch.softmax(maps, dim=-1, out=maps)
+    return torch.matmul(maps, value).transpose(1, 2), maps
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    if ATTENTION_INTO_BUFFER not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_INTO_BUFFER, _eager_attention_into_buffer)
+        AttentionMaskInterface.register(ATTENTION_INTO_BUFFER, eager_mask)
+
+
 @torch.no_grad()
-def _head_outputs_raw(model, tensors) -> tuple[torch.Tensor, tuple]:
-    """Pre-W_O head outputs [B, L, H, T, d] and the per-layer attention maps (a tuple)."""
+def _head_outputs_raw(model, tensors, workspace: dict | None = None) -> tuple[torch.Tensor, tuple]:
+    """Pre-W_O head outputs [B, L, H, T, d] and the per-layer attention maps (a tuple).
+
+    The model runs once with :func:`_eager_attention_into_buffer` (the eager computation,
+    its maps kept in one buffer, see :class:`_AttentionMaps`); its configured attention
+    implementation is restored afterwards.
+    """
     _check_model(model, tensors["input_ids"].shape[1])
     layers = encoder_layers(model)
     n_layers, n_heads, d = _heads(model)
@@ -363,6 +452,10 @@ def _head_outputs_raw(model, tensors) -> tuple[torch.Tensor, tuple]:
 
         return hook
 
+    _register_attention()
+    maps = _AttentionMaps(n_layers, workspace)
+    config = model.config
+    configured = config._attn_implementation
     handles = [
         layer.attention.output.dense.register_forward_pre_hook(make_hook(i))
         for i, layer in enumerate(layers)
@@ -370,15 +463,20 @@ def _head_outputs_raw(model, tensors) -> tuple[torch.Tensor, tuple]:
     try:
         inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
                   if tensors.get(k) is not None}
-        out = model(**inputs, output_attentions=True)
+        config._attn_implementation = ATTENTION_INTO_BUFFER
+        model(**inputs, **{_SINK_KWARG: maps})
     finally:
+        config._attn_implementation = configured
         for h in handles:
             h.remove()
-    if any(c is None for c in captured) or out.attentions is None:
-        raise RuntimeError("model: the forward pass did not reach every attention layer")
+    if any(c is None for c in captured) or maps.calls != n_layers:
+        raise RuntimeError(
+            "model: the forward pass did not reach every attention layer through the "
+            "transformers attention interface (a BERT-family model of transformers >= 5 "
+            "is expected)")
     b, t = tensors["input_ids"].shape
     z = torch.stack(captured, dim=1).view(b, n_layers, t, n_heads, d).transpose(2, 3)
-    return z.contiguous(), tuple(out.attentions)
+    return z.contiguous(), tuple(maps.buffer.unbind(0))
 
 
 def similarity_matrices(
@@ -433,19 +531,22 @@ class BatchResult(NamedTuple):
     metric: torch.Tensor | None = None  # [L, H, d, d]: similarity z_i^T M z_j (post-W_O)
 
 
-def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None = None):
+def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None = None,
+                  workspace: dict | None = None):
     """Head outputs and attention maps of one batch, ready for :meth:`SimilarityStats.update`.
 
     ``batch`` needs ``sentence_ids`` [B, T] (e.g. a :class:`companion.corpora.Windows`).
     ``where="post_wo"`` attaches the metric :func:`wo_gram` (pass ``gram`` to reuse it),
-    so the statistics use the post-W_O similarities.
+    so the statistics use the post-W_O similarities. With a ``workspace`` dict the
+    attention maps live in a buffer kept there and reused by the next call with the same
+    dict (which overwrites them): consume the result before the next call.
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
     tensors = _batch_tensors(batch)
     if tensors.get("sentence_ids") is None:
         raise ValueError("batch: expected 'sentence_ids' [B, T] (use companion.corpora.windows)")
-    z, attentions = _head_outputs_raw(model, tensors)
+    z, attentions = _head_outputs_raw(model, tensors, workspace)
     metric = None
     if where == "post_wo":
         metric = gram if gram is not None else wo_gram(model)
@@ -462,8 +563,8 @@ def _k_of(n_pairs: torch.Tensor, percentile: float) -> torch.Tensor:
 
 
 def _divisor_at_most(t: int, target: int) -> int:
-    """Largest divisor of ``t`` not above ``target``."""
-    return max(s for s in range(1, min(t, target) + 1) if t % s == 0)
+    """Largest divisor of ``t`` not above ``target`` (at least 1)."""
+    return max(s for s in range(1, max(1, min(t, target)) + 1) if t % s == 0)
 
 
 def _workspace(cache: dict | None, numel: int, dtype, device) -> torch.Tensor:
@@ -496,19 +597,22 @@ def top_pairs(
     Equal to taking ``similarity_matrices(outputs, metric=metric)``, keeping the strict
     upper triangle of valid pairs and calling ``topk(k)`` (the reference in the tests),
     but without a top-k over all ``T(T-1)/2`` pairs of every matrix, which would cost more
-    than the rest of the analysis together:
+    than the rest of the analysis together. A pyramid of maxima narrows the search:
 
     1. all similarity matrices are one batched product into one (reusable) buffer; the
        sum over the batch is taken there, then the lower triangle inside the diagonal
        ``segment x segment`` blocks, the diagonal and the columns of invalid tokens are
        set to ``-inf``;
     2. each row is cut into *segments* of ``segment`` consecutive columns, whose maxima
-       are one vectorised reduction; segments wholly below the diagonal and the rows of
+       are one max-pooling pass; segments wholly below the diagonal and the rows of
        invalid tokens get the maximum ``-inf`` (their entries are never candidates);
-    3. every top-``k`` entry lies in a segment whose maximum is at least the ``k``-th
-       largest value, so in one of the ``k`` segments with the largest maxima: the exact
-       top-``k`` is taken over those ``k segment`` candidates, and only the ``k`` winners
-       are sorted.
+       each row's maximum is the maximum of its segments';
+    3. top-down, each level keeps the ``k`` members with the largest maxima and looks only
+       at their children, which are contiguous in memory: rows, then segments, then
+       *pieces* of a few consecutive entries of a segment, then entries. Every top-``k``
+       entry lies in a member whose maximum is at least the ``k``-th largest value, hence
+       in one of the ``k`` members kept at every level, so the result is exact; only the
+       ``k`` winners are sorted.
 
     Parameters
     ----------
@@ -518,7 +622,7 @@ def top_pairs(
         Pairs to return (callers keep only the first ``k_b`` of window ``b``).
     metric : Tensor [L, H, d, d], optional, symmetric (see :func:`similarity_matrices`).
     segment : int
-        Target segment height (the largest divisor of ``T`` not above it).
+        Target segment length (the largest divisor of ``T`` not above it).
     return_sum : bool
         Also return the sum over the batch of the similarity matrices, zero diagonal,
         [L, H, T, T] (before any masking).
@@ -537,8 +641,9 @@ def top_pairs(
     Complexity
     ----------
     O(B L H T^2 d) for the product, two passes over its entries (segment maxima, batch
-    sum), top-k selections over ``T^2 / segment`` and ``k segment`` entries per matrix
-    and a sort of ``k``. Memory: the ``B L H T^2`` buffer.
+    sum); per matrix, top-k selections over ``T``, ``k T / g``, ``k g / q`` and ``k q``
+    entries (``g`` the segment length, ``q`` the piece length, about ``sqrt(g)``) and a
+    sort of ``k``. Memory: the ``B L H T^2`` buffer.
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
         raise ValueError("outputs: expected a 5-D tensor [B, L, H, T, d]")
@@ -554,11 +659,13 @@ def top_pairs(
         raise ValueError(f"segment: expected a positive int, got {segment!r}")
     dev, lh = outputs.device, n_l * n_h
     n = b * lh
+    neg_inf = float("-inf")
     left = outputs if metric is None else torch.matmul(outputs, metric.to(outputs.dtype))
     left = left.reshape(n, t, d)
     right_t = outputs.reshape(n, t, d).transpose(1, 2)  # [N, d, T]
-    g = _divisor_at_most(t, segment)
-    ns = t // g
+    g = _divisor_at_most(t, segment)  # segment length
+    ns = t // g  # segments per row
+    q = _divisor_at_most(g, math.isqrt(g))  # piece length
     flat = _workspace(workspace, n * t * t, outputs.dtype, dev)
     sims = flat.view(n, t, t)
     torch.bmm(left, right_t, out=sims)
@@ -568,28 +675,45 @@ def top_pairs(
         total.diagonal(dim1=1, dim2=2).zero_()
     # j <= i inside the diagonal blocks (rows and columns of one segment)
     lower = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[:, :, None]  # [g, g, 1]
-    sims.view(n, ns, g, ns, g).diagonal(dim1=1, dim2=3).masked_fill_(lower, float("-inf"))
+    sims.view(n, ns, g, ns, g).diagonal(dim1=1, dim2=3).masked_fill_(lower, neg_inf)
     inv_b, inv_t = (~valid).nonzero(as_tuple=True)
-    sims.view(b, lh, t, t)[inv_b, :, :, inv_t] = float("-inf")  # invalid tokens j
-    # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory)
-    seg_max = sims.view(n, t, ns, g).amax(3)  # [N, T, ns]
+    sims.view(b, lh, t, t)[inv_b, :, :, inv_t] = neg_inf  # invalid tokens j
+    # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory); max
+    # pooling is much faster than amax over short contiguous runs
+    seg_max = torch.nn.functional.max_pool1d(sims, g)  # [N, T, ns]
     below = (torch.arange(ns, device=dev)[None, :]
              < (torch.arange(t, device=dev) // g)[:, None])  # [T, ns]: all columns j < i
-    seg_max.view(b, lh, t, ns).masked_fill_(below | ~valid[:, None, :, None], float("-inf"))
-    m = min(k, ns * t)
-    seg_val, seg = seg_max.view(n, -1).topk(m, dim=-1, sorted=False)  # [N, m]
-    rows = (torch.arange(n, device=dev)[:, None] * (t * ns) + seg).view(-1)
-    cand = flat.view(-1, g).index_select(0, rows).view(n, m, g)
+    seg_max.view(b, lh, t, ns).masked_fill_(below | ~valid[:, None, :, None], neg_inf)
+    row_max = seg_max.amax(2)  # [N, T]
+
+    def keep(values, m):
+        return values.topk(min(m, values.shape[1]), dim=-1, sorted=False)
+
+    def children(data, width, parent):
+        """Children of ``parent`` [N, m] (per-matrix index of a run of ``width`` in data)."""
+        per = data.numel() // (n * width)  # runs per matrix
+        runs = torch.arange(0, n * per, per, device=dev)[:, None] + parent
+        return data.view(-1, width).index_select(0, runs.view(-1)).view(n, -1, width)
+
+    # rows -> segments -> pieces -> entries, k members kept per level
+    _, row = keep(row_max, k)  # [N, m_r]
+    seg_val, pos = keep(children(seg_max, ns, row).view(n, -1), k)
+    seg = row.gather(1, pos // ns) * ns + pos % ns  # segment index i ns + c, [N, m_s]
+    cand = children(flat, g, seg)  # [N, m_s, g]
     # entries of excluded segments (below the diagonal, invalid i) are not pairs
-    cand.masked_fill_(torch.isneginf(seg_val)[:, :, None], float("-inf"))
-    v, pos = cand.view(n, -1).topk(k, dim=-1, sorted=False)
+    cand.masked_fill_(torch.isneginf(seg_val)[:, :, None], neg_inf)
+    pieces = cand.view(n, -1, q)  # piece p = segment slot * (g / q) + r
+    _, piece = keep(pieces.amax(2), k)
+    entries = pieces.gather(1, piece[:, :, None].expand(-1, -1, q))
+    v, pos = entries.view(n, -1).topk(k, dim=-1, sorted=False)
     if sort:
         v, order = v.sort(dim=-1, descending=True, stable=True)
         pos = pos.gather(1, order)
     shape = (b, n_l, n_h, k)
-    seg_of = seg.gather(1, pos // g)
+    piece_of = piece.gather(1, pos // q)
+    seg_of = seg.gather(1, piece_of // (g // q))
     i_sel = (seg_of // ns).view(shape)
-    j_sel = ((seg_of % ns) * g + pos % g).view(shape)
+    j_sel = ((seg_of % ns) * g + (piece_of % (g // q)) * q + pos % q).view(shape)
     if total is None:
         return v.view(shape), i_sel, j_sel
     return v.view(shape), i_sel, j_sel, total.view(n_l, n_h, t, t)
@@ -1077,6 +1201,7 @@ def analyse_corpus(
     n_batches = math.ceil(len(windows) / batch_size)
     mine = range(rank, n_batches, world)
     gram = wo_gram(model) if where == "post_wo" else None
+    maps: dict = {}  # the attention-map buffer, reused by every batch
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
@@ -1085,7 +1210,7 @@ def analyse_corpus(
     for k in mine:
         part = windows[k * batch_size:(k + 1) * batch_size]
         batch = {name: t.to(model_device) for name, t in part.batch().items()}
-        stats.update(analyse_batch(model, batch, where=where, gram=gram))
+        stats.update(analyse_batch(model, batch, where=where, gram=gram, workspace=maps))
         if bar is not None:
             # rank 0 speaks for all ranks: they advance in lock-step over equal shards
             bar.update(min(len(part) * world, bar.total - bar.n))
