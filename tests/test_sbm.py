@@ -396,13 +396,16 @@ def test_edge_attention_bad_input():
 # ---------------------------------------------------------------------------------------
 # SBMAttention: straight-through estimator, density, regulariser
 # ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("duplicates", ["merge", "keep"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_sbm_attention_ste_gradient_closed_form(device, duplicates):
+def test_sbm_attention_ste_gradient_closed_form(device, duplicates, padded):
     """All parameter and input gradients of SBMAttention equal the closed form: dense
     attention with the sampled mask A (counts for "keep") as a leaf, grad_P =
     A * hardtanh(grad_A) (= hardtanh(A * grad_A) for a 0/1 mask), then back-propagation
-    of grad_P through P = Qhat S Khat^T (dense, float64)."""
+    of grad_P through P = Qhat S Khat^T (dense, float64).  With padding, the closed form
+    uses memberships zeroed at padded positions, no edge touches them, and the density
+    counts valid pairs only."""
     torch.manual_seed(20)
     B, H, n, m, d, kc = 2, 2, 7, 6, 4, 3
     layer = SBMAttention(d, H, kc, duplicates=duplicates, device=device, dtype=F64)
@@ -412,7 +415,15 @@ def test_sbm_attention_ste_gradient_closed_form(device, duplicates):
     weight = 3 * torch.randn(B, H, n, d, dtype=F64, device=device)
     lam = 0.7
     gen = torch.Generator(device=device).manual_seed(21)
-    out, density, edges = layer(q, k, v, generator=gen, return_edges=True)
+    qv = kv = None
+    pairs = torch.full((B, 1), float(n * m), dtype=F64, device=device)
+    if padded:
+        qv = torch.ones(B, n, dtype=torch.bool, device=device)
+        kv = torch.ones(B, m, dtype=torch.bool, device=device)
+        qv[0, 5:], kv[0, 4:], kv[1, :2] = False, False, False
+        pairs = (qv.sum(1) * kv.sum(1)).to(F64)[:, None]
+    out, density, edges = layer(q, k, v, query_valid=qv, key_valid=kv, generator=gen,
+                                return_edges=True)
     loss = (out * weight).sum() + lam * density.sum()
     params = [q, k, v, *layer.parameters()]
     got = torch.autograd.grad(loss, params)
@@ -421,10 +432,14 @@ def test_sbm_attention_ste_gradient_closed_form(device, duplicates):
     assert 0 < int(mask.sum()) < B * H * n * m
     if duplicates == "merge":
         assert int(mask.max()) == 1
-    torch.testing.assert_close(density.detach(), mask.detach().sum((2, 3)) / (n * m))
+    if padded:  # no edge touches padding: padded queries get zero rows
+        assert not bool(mask[~qv[:, None, :, None].expand_as(mask)].any())
+        assert not bool(mask[~kv[:, None, None, :].expand_as(mask)].any())
+        assert float(out.detach()[0, :, 5:].abs().max()) == 0
+    torch.testing.assert_close(density.detach(), mask.detach().sum((2, 3)) / pairs)
     ref_out = dense_masked_attention(q, k, v, mask)
     torch.testing.assert_close(out, ref_out)
-    ref_loss = (ref_out * weight).sum() + lam * (mask.sum((2, 3)) / (n * m)).sum()
+    ref_loss = (ref_out * weight).sum() + lam * (mask.sum((2, 3)) / pairs).sum()
     (grad_a,) = torch.autograd.grad(ref_loss, mask, retain_graph=True)
     grad_p = mask.detach() * torch.nn.functional.hardtanh(grad_a)
     if duplicates == "merge":
@@ -432,7 +447,10 @@ def test_sbm_attention_ste_gradient_closed_form(device, duplicates):
     sampled = mask.detach().bool()
     clipped = grad_a.abs() > 1
     assert bool(clipped[sampled].any()) and bool((~clipped)[sampled].any())  # both regimes
-    p = edge_probabilities(*sbm_parameters(q, k, layer.cluster_embeddings, layer.mlp))
+    qm, s, km = sbm_parameters(q, k, layer.cluster_embeddings, layer.mlp)
+    if padded:
+        qm, km = qm * qv[:, None, :, None], km * kv[:, None, :, None]
+    p = edge_probabilities(qm, s, km)
     surrogate = ref_loss + (grad_p * p).sum()
     expect = torch.autograd.grad(surrogate, params)
     for name, a, b in zip(["q", "k", "v"] + [n for n, _ in layer.named_parameters()], got, expect):
@@ -478,3 +496,28 @@ def test_sbm_attention_bad_input():
     nan_q[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="q_membership"):
         layer(nan_q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    x = torch.randn(2, 2, 5, 8)
+    with pytest.raises(ValueError, match="query_valid"):
+        layer(x, x, x, query_valid=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_valid"):
+        layer(x, x, x, key_valid=torch.ones(2, 5))  # not bool
+
+
+def test_sbm_attention_self_loops_skip_padding():
+    """Forced self-loops give every valid query an edge and none to padded positions."""
+    torch.manual_seed(25)
+    B, H, n, d = 2, 2, 12, 8
+    layer = SBMAttention(d, H, 4, self_loops=True)
+    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
+    valid = torch.ones(B, n, dtype=torch.bool)
+    valid[0, 9:] = False
+    out, density, (group, query, key) = layer(
+        q, k, v, query_valid=valid, key_valid=valid,
+        generator=torch.Generator().manual_seed(26), return_edges=True,
+    )
+    element = group // H
+    assert bool(valid[element, query].all()) and bool(valid[element, key].all())
+    loops = torch.unique((group * n + query)[query == key])
+    assert loops.numel() == H * int(valid.sum())  # one loop per valid query and head
+    assert float(out.detach()[0, :, 9:].abs().max()) == 0
+    assert bool((density >= 1 / valid.sum(1, keepdim=True)).all())

@@ -568,16 +568,26 @@ class SBMAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
+        query_valid: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         return_edges: bool = False,
     ):
         """Attend ``q`` ``[B, H, n, d]`` to ``k``/``v`` ``[B, H, m, d]`` on a sampled graph.
 
+        ``query_valid`` ``[B, n]`` and ``key_valid`` ``[B, m]`` (bool, None: all valid)
+        mark padding: its memberships are zero, so ``P_ij = 0`` wherever ``i`` or ``j``
+        is padding and no edge touches it (a forced self-loop of a padded position is
+        dropped too); padded queries get zero output rows.  Nothing per edge is
+        gathered for this: the cost stays ``O(E + (n + m) k)``.
+
         Returns
         -------
         out : ``[B, H, n, d_v]``; a query with no sampled edge gets a zero row.
-        density : ``[B, H]``, realised density ``edges / (n m)`` per head, differentiable
-            through the straight-through estimator (feed it to :func:`density_regularizer`).
+        density : ``[B, H]``, realised density ``edges / (n' m')`` per head, with
+            ``n'``, ``m'`` the numbers of valid queries and keys of that batch element,
+            differentiable through the straight-through estimator (feed it to
+            :func:`density_regularizer`).
         edges : ``(group, query, key)``, only if ``return_edges``.
         """
         if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[-1] != self.head_dim:
@@ -585,6 +595,28 @@ class SBMAttention(nn.Module):
                 f"q: expected [B, {self.num_heads}, n, {self.head_dim}], got {tuple(q.shape)}"
             )
         q_membership, s, k_membership = sbm_parameters(q, k, self.cluster_embeddings, self.mlp)
+        valid_counts = []
+        for name, mask, length in (
+            ("query_valid", query_valid, q.shape[2]),
+            ("key_valid", key_valid, k.shape[2]),
+        ):
+            if mask is None:
+                valid_counts.append(torch.full((q.shape[0],), float(length), device=q.device))
+                continue
+            if (
+                not isinstance(mask, torch.Tensor)
+                or mask.dtype != torch.bool
+                or tuple(mask.shape) != (q.shape[0], length)
+            ):
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(
+                    f"{name}: expected a bool tensor [{q.shape[0]}, {length}], got {got}"
+                )
+            valid_counts.append(mask.sum(1).to(torch.float32))
+        if query_valid is not None:
+            q_membership = q_membership * query_valid[:, None, :, None].to(q_membership.dtype)
+        if key_valid is not None:
+            k_membership = k_membership * key_valid[:, None, :, None].to(k_membership.dtype)
         edges = fastrg_sample(
             q_membership.detach(),
             s.detach(),
@@ -596,6 +628,16 @@ class SBMAttention(nn.Module):
         batch, heads, n = q.shape[:3]
         m = k.shape[2]
         num_groups = batch * heads
+        if self.self_loops and (query_valid is not None or key_valid is not None):
+            group, query, key = edges
+            element = torch.div(group, heads, rounding_mode="floor")  # batch index
+            keep = torch.ones_like(group, dtype=torch.bool)
+            if query_valid is not None:
+                keep &= query_valid.reshape(-1)[element * n + query]
+            if key_valid is not None:
+                keep &= key_valid.reshape(-1)[element * m + key]
+            edges = (group[keep], query[keep], key[keep])
+            del element, keep
         graph = EdgeGraph(*edges, num_groups, n, m)
         if graph.order is not None:  # the mask below is indexed in the sampler's order
             raise RuntimeError("fastrg_sample returned edges not sorted by (group, query)")
@@ -615,7 +657,8 @@ class SBMAttention(nn.Module):
         ).reshape(batch, heads, n, -1)
         per_group = torch.zeros(num_groups, dtype=mask.dtype, device=mask.device)
         per_group = per_group.index_add(0, edges[0], mask)
-        density = (per_group / (n * m)).reshape(batch, heads)
+        pairs = (valid_counts[0] * valid_counts[1]).clamp(min=1).to(mask.dtype)  # [B]
+        density = per_group.reshape(batch, heads) / pairs[:, None]
         if return_edges:
             return out, density, edges
         return out, density
