@@ -401,6 +401,10 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
 
     ``softmax(scale q k^T + mask) v`` with the probabilities left in the next layer slice of
     the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward.
+    Window by window: one window's maps (``H T^2`` numbers, under a megabyte for BERT
+    sizes) stay in the processor's cache from the scores through the softmax to the
+    product with the values, which makes this as fast as a fused attention kernel
+    (the batched form makes three trips through main memory per layer).
     """
     sink = kwargs.get(_SINK_KWARG)
     if not isinstance(sink, _AttentionMaps):
@@ -414,14 +418,17 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
     if scaling is None:
         scaling = d ** -0.5
     maps = sink.next_layer((bsz, n_heads, t_q, t_k), query.dtype, query.device)
-    scores = maps.view(bsz * n_heads, t_q, t_k)
-    torch.baddbmm(scores, query.reshape(bsz * n_heads, t_q, d),
-                  key.reshape(bsz * n_heads, t_k, d).transpose(1, 2),
-                  beta=0, alpha=scaling, out=scores)
-    if attention_mask is not None:
-        maps.add_(attention_mask)
-    torch.softmax(maps, dim=-1, out=maps)
-    return torch.matmul(maps, value).transpose(1, 2), maps
+    out = torch.empty(bsz, n_heads, t_q, value.shape[-1], dtype=value.dtype,
+                      device=value.device)
+    for w in range(bsz):
+        probs = maps[w]  # [H, Tq, Tk]
+        torch.baddbmm(probs, query[w], key[w].transpose(1, 2), beta=0, alpha=scaling,
+                      out=probs)
+        if attention_mask is not None:
+            probs.add_(attention_mask[w if attention_mask.shape[0] > 1 else 0])
+        torch.softmax(probs, dim=-1, out=probs)
+        torch.matmul(probs, value[w], out=out[w])
+    return out.transpose(1, 2), maps
 
 
 def _register_attention() -> None:
@@ -436,6 +443,9 @@ def _register_attention() -> None:
 @torch.no_grad()
 def _head_outputs_raw(model, tensors, workspace: dict | None = None) -> tuple[torch.Tensor, tuple]:
     """Pre-W_O head outputs [B, L, H, T, d] and the per-layer attention maps (a tuple).
+
+    The outputs are a view of a ``[L, H, B, T, d]`` tensor; with a ``workspace`` dict,
+    outputs and maps live in buffers kept there and overwritten by the next call.
 
     The model runs once with :func:`_eager_attention_into_buffer` (the eager computation,
     its maps kept in one buffer, see :class:`_AttentionMaps`); its configured attention
@@ -475,8 +485,14 @@ def _head_outputs_raw(model, tensors, workspace: dict | None = None) -> tuple[to
             "transformers attention interface (a BERT-family model of transformers >= 5 "
             "is expected)")
     b, t = tensors["input_ids"].shape
-    z = torch.stack(captured, dim=1).view(b, n_layers, t, n_heads, d).transpose(2, 3)
-    return z.contiguous(), tuple(maps.buffer.unbind(0))
+    # stored (layer, head, window, token, dim): the statistics take the sum over windows
+    # of every head's similarity matrix, which is then one contiguous block
+    ref = captured[0]
+    z = _workspace(workspace, "head_outputs", n_layers * n_heads * b * t * d, ref.dtype,
+                   ref.device).view(n_layers, n_heads, b, t, d)
+    for layer, context in enumerate(captured):
+        z[layer].copy_(context.view(b, t, n_heads, d).permute(2, 0, 1, 3))
+    return z.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0))
 
 
 def similarity_matrices(
@@ -567,18 +583,19 @@ def _divisor_at_most(t: int, target: int) -> int:
     return max(s for s in range(1, max(1, min(t, target)) + 1) if t % s == 0)
 
 
-def _workspace(cache: dict | None, numel: int, dtype, device) -> torch.Tensor:
-    """A flat buffer of ``numel`` entries, reused from ``cache`` across calls when it fits.
+def _workspace(cache: dict | None, name: str, numel: int, dtype, device) -> torch.Tensor:
+    """A flat buffer of ``numel`` entries, kept in ``cache[name]`` and reused when it fits.
 
     Large fresh allocations are returned to the system and page-faulted back on every
     batch, which costs as much as the product written into them.
     """
     if cache is None:
         return torch.empty(numel, dtype=dtype, device=device)
-    buf = cache.get("similarity")
-    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+    buf = cache.get(name)
+    if (buf is None or buf.numel() < numel or buf.dtype != dtype
+            or buf.device != torch.device(device)):
         buf = torch.empty(numel, dtype=dtype, device=device)
-        cache["similarity"] = buf
+        cache[name] = buf
     return buf[:numel]
 
 
@@ -599,14 +616,16 @@ def top_pairs(
     but without a top-k over all ``T(T-1)/2`` pairs of every matrix, which would cost more
     than the rest of the analysis together. A pyramid of maxima narrows the search:
 
-    1. all similarity matrices are one batched product into one (reusable) buffer; the
-       sum over the batch is taken there, then the lower triangle inside the diagonal
+    1. the similarity matrices are computed into one (reusable) buffer, layer and head
+       after layer and head (all windows at once, about a megabyte: the passes below
+       then find the product in the processor's cache instead of main memory); there the
+       sum over the windows is taken, then the lower triangle inside the diagonal
        ``segment x segment`` blocks, the diagonal and the columns of invalid tokens are
-       set to ``-inf``;
-    2. each row is cut into *segments* of ``segment`` consecutive columns, whose maxima
-       are one max-pooling pass; segments wholly below the diagonal and the rows of
-       invalid tokens get the maximum ``-inf`` (their entries are never candidates);
-       each row's maximum is the maximum of its segments';
+       set to ``-inf``, and each row is cut into *segments* of ``segment`` consecutive
+       columns whose maxima are one max-pooling pass;
+    2. segments wholly below the diagonal and the rows of invalid tokens get the maximum
+       ``-inf`` (their entries are never candidates); each row's maximum is the maximum
+       of its segments';
     3. top-down, each level keeps the ``k`` members with the largest maxima and looks only
        at their children, which are contiguous in memory: rows, then segments, then
        *pieces* of a few consecutive entries of a segment, then entries. Every top-``k``
@@ -617,6 +636,8 @@ def top_pairs(
     Parameters
     ----------
     outputs : Tensor [B, L, H, T, d]
+        Any strides; the layout of :func:`head_outputs` (windows innermost of the
+        matrices, ``outputs.permute(1, 2, 0, 3, 4)`` contiguous) avoids a copy.
     valid : bool Tensor [B, T]
     k : int
         Pairs to return (callers keep only the first ``k_b`` of window ``b``).
@@ -627,7 +648,7 @@ def top_pairs(
         Also return the sum over the batch of the similarity matrices, zero diagonal,
         [L, H, T, T] (before any masking).
     workspace : dict, optional
-        Keeps the ``[B L H, T, T]`` buffer between calls (pass the same dict each time).
+        Keeps the ``[L H B, T, T]`` buffer between calls (pass the same dict each time).
     sort : bool
         Sort the ``k`` pairs by decreasing similarity (needed to keep a prefix); False
         returns them in no particular order.
@@ -641,9 +662,9 @@ def top_pairs(
     Complexity
     ----------
     O(B L H T^2 d) for the product, two passes over its entries (segment maxima, batch
-    sum); per matrix, top-k selections over ``T``, ``k T / g``, ``k g / q`` and ``k q``
-    entries (``g`` the segment length, ``q`` the piece length, about ``sqrt(g)``) and a
-    sort of ``k``. Memory: the ``B L H T^2`` buffer.
+    sum) while it is in cache; per matrix, top-k selections over ``T``, ``k T / g``,
+    ``k g / q`` and ``k q`` entries (``g`` the segment length, ``q`` the piece length,
+    about ``sqrt(g)``) and a sort of ``k``. Memory: the ``B L H T^2`` buffer.
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
         raise ValueError("outputs: expected a 5-D tensor [B, L, H, T, d]")
@@ -658,33 +679,44 @@ def top_pairs(
     if not isinstance(segment, int) or isinstance(segment, bool) or segment < 1:
         raise ValueError(f"segment: expected a positive int, got {segment!r}")
     dev, lh = outputs.device, n_l * n_h
-    n = b * lh
+    n = lh * b  # matrices, ordered (layer, head, window)
     neg_inf = float("-inf")
-    left = outputs if metric is None else torch.matmul(outputs, metric.to(outputs.dtype))
-    left = left.reshape(n, t, d)
-    right_t = outputs.reshape(n, t, d).transpose(1, 2)  # [N, d, T]
+    right = outputs.permute(1, 2, 0, 3, 4).reshape(lh, b, t, d)  # a view for head_outputs'
+    left = right
+    if metric is not None:
+        left = torch.matmul(right, metric.to(outputs.dtype).reshape(lh, 1, d, d))
     g = _divisor_at_most(t, segment)  # segment length
     ns = t // g  # segments per row
     q = _divisor_at_most(g, math.isqrt(g))  # piece length
-    flat = _workspace(workspace, n * t * t, outputs.dtype, dev)
-    sims = flat.view(n, t, t)
-    torch.bmm(left, right_t, out=sims)
-    total = None
-    if return_sum:
-        total = sims.view(b, lh, t, t).sum(0)
+    flat = _workspace(workspace, "similarity", n * t * t, outputs.dtype, dev)
+    sims = flat.view(lh, b, t, t)
+    seg_max = torch.empty(lh, b, t, ns, dtype=outputs.dtype, device=dev)
+    total = torch.empty(lh, t, t, dtype=outputs.dtype, device=dev) if return_sum else None
+    # Entries that are never pairs, as flat offsets in one [B, T, T] block of matrices:
+    # j <= i inside the diagonal segment x segment blocks, and the columns of invalid
+    # tokens j (invalid rows i are dropped through the segment maxima below).
+    tok = torch.arange(t, device=dev)
+    in_block_lower = ((tok[:, None] // g) == (tok[None, :] // g)) & (tok[None, :] <= tok[:, None])
+    never = (in_block_lower[None] | ~valid[:, None, :]).view(-1).nonzero().squeeze(1)
+    # about 1 MiB of products per step on a CPU (cache-sized); everything at once elsewhere
+    step = max(1, (1 << 20) // (b * t * t * outputs.element_size())) if dev.type == "cpu" else lh
+    for c0 in range(0, lh, step):
+        c1 = min(lh, c0 + step)
+        part = sims[c0:c1]  # [c, B, T, T]
+        torch.matmul(left[c0:c1], right[c0:c1].transpose(-1, -2), out=part)
+        if total is not None:
+            torch.sum(part, 1, out=total[c0:c1])
+        part.view(c1 - c0, -1).index_fill_(1, never, neg_inf)
+        # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory); max
+        # pooling is much faster than amax over short contiguous runs
+        seg_max[c0:c1] = torch.nn.functional.max_pool1d(part.view(-1, t, t), g).view(
+            c1 - c0, b, t, ns)
+    if total is not None:
         total.diagonal(dim1=1, dim2=2).zero_()
-    # j <= i inside the diagonal blocks (rows and columns of one segment)
-    lower = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[:, :, None]  # [g, g, 1]
-    sims.view(n, ns, g, ns, g).diagonal(dim1=1, dim2=3).masked_fill_(lower, neg_inf)
-    inv_b, inv_t = (~valid).nonzero(as_tuple=True)
-    sims.view(b, lh, t, t)[inv_b, :, :, inv_t] = neg_inf  # invalid tokens j
-    # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory); max
-    # pooling is much faster than amax over short contiguous runs
-    seg_max = torch.nn.functional.max_pool1d(sims, g)  # [N, T, ns]
     below = (torch.arange(ns, device=dev)[None, :]
              < (torch.arange(t, device=dev) // g)[:, None])  # [T, ns]: all columns j < i
-    seg_max.view(b, lh, t, ns).masked_fill_(below | ~valid[:, None, :, None], neg_inf)
-    row_max = seg_max.amax(2)  # [N, T]
+    seg_max.masked_fill_(below | ~valid[:, :, None], neg_inf)
+    row_max = seg_max.view(n, t, ns).amax(2)  # [N, T]
 
     def keep(values, m):
         return values.topk(min(m, values.shape[1]), dim=-1, sorted=False)
@@ -695,28 +727,41 @@ def top_pairs(
         runs = torch.arange(0, n * per, per, device=dev)[:, None] + parent
         return data.view(-1, width).index_select(0, runs.view(-1)).view(n, -1, width)
 
+    def split(x, m):  # (x // m, x % m); shifts for powers of two (int64 division is slow)
+        if m & (m - 1) == 0:
+            return x >> (m.bit_length() - 1), x & (m - 1)
+        return x // m, x % m
+
     # rows -> segments -> pieces -> entries, k members kept per level
     _, row = keep(row_max, k)  # [N, m_r]
     seg_val, pos = keep(children(seg_max, ns, row).view(n, -1), k)
-    seg = row.gather(1, pos // ns) * ns + pos % ns  # segment index i ns + c, [N, m_s]
-    cand = children(flat, g, seg)  # [N, m_s, g]
-    # entries of excluded segments (below the diagonal, invalid i) are not pairs
-    cand.masked_fill_(torch.isneginf(seg_val)[:, :, None], neg_inf)
-    pieces = cand.view(n, -1, q)  # piece p = segment slot * (g / q) + r
-    _, piece = keep(pieces.amax(2), k)
+    parent, slot = split(pos, ns)
+    seg = row.gather(1, parent) * ns + slot  # segment index i ns + c, [N, m_s]
+    pieces = children(flat, g, seg).view(n, -1, q)  # piece = segment slot * (g / q) + r
+    piece_max = torch.nn.functional.max_pool1d(pieces.view(n, 1, -1), q).view(n, -1, g // q)
+    # entries of excluded segments (below the diagonal, invalid i) are not pairs: their
+    # pieces get the maximum -inf, and entries of kept pieces with maximum -inf are dropped
+    piece_max.masked_fill_(torch.isneginf(seg_val)[:, :, None], neg_inf)
+    piece_val, piece = keep(piece_max.view(n, -1), k)
     entries = pieces.gather(1, piece[:, :, None].expand(-1, -1, q))
+    entries.masked_fill_(torch.isneginf(piece_val)[:, :, None], neg_inf)
     v, pos = entries.view(n, -1).topk(k, dim=-1, sorted=False)
     if sort:
         v, order = v.sort(dim=-1, descending=True, stable=True)
         pos = pos.gather(1, order)
-    shape = (b, n_l, n_h, k)
-    piece_of = piece.gather(1, pos // q)
-    seg_of = seg.gather(1, piece_of // (g // q))
-    i_sel = (seg_of // ns).view(shape)
-    j_sel = ((seg_of % ns) * g + (piece_of % (g // q)) * q + pos % q).view(shape)
+    parent, offset = split(pos, q)
+    piece_of = piece.gather(1, parent)
+    parent, part_of_segment = split(piece_of, g // q)
+    i_sel, c = split(seg.gather(1, parent), ns)
+    j_sel = c * g + part_of_segment * q + offset
+
+    def by_window(x):  # [L H B, k] -> [B, L, H, k]
+        return x.view(n_l, n_h, b, k).permute(2, 0, 1, 3).contiguous()
+
+    result = by_window(v), by_window(i_sel), by_window(j_sel)
     if total is None:
-        return v.view(shape), i_sel, j_sel
-    return v.view(shape), i_sel, j_sel, total.view(n_l, n_h, t, t)
+        return result
+    return (*result, total.view(n_l, n_h, t, t))
 
 
 @dataclass
@@ -1017,11 +1062,13 @@ class SimilarityStats:
         acc["masked_distance_hist"] = hist(out_sel, dist_sel, t_len)
         acc["masked_same_sentence"] = (same_sel & out_sel).sum((0, 3))
         acc["masked_chance_same_sentence_distance"] = (q_sel * out_sel).sum((0, 3))
-        # [L, H, V] is large: scatter into the sums directly instead of a dense bincount.
+        # [L, H, V] is large: scatter into the sums directly instead of a dense bincount
+        # (pairs beyond a window's k add 0, no boolean indexing).
         v = self.vocab_size
-        base = (lh * v).expand_as(tok_i)
-        tok_idx = torch.cat([(base + tok_i)[sel], (base + tok_j)[sel]]).to(self.device)
-        self.token_counts.view(-1).index_add_(0, tok_idx, torch.ones_like(tok_idx))
+        counts = self.token_counts.view(-1)
+        ones = sel.to(device=self.device, dtype=counts.dtype).reshape(-1)
+        for tok in (tok_i, tok_j):
+            counts.index_add_(0, (lh * v + tok).reshape(-1).to(self.device), ones)
 
     # ------------------------------------------------------------------ results
 
