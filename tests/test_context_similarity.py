@@ -165,6 +165,32 @@ def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):
         cs._eager_attention_into_buffer(None, *(torch.zeros(1, 1, 2, 2),) * 3, None)
 
 
+
+def test_received_attention_from_the_forward_equals_the_maps(minilm64):
+    """The attention keys receive from content queries, summed during the forward pass,
+    equals the sum over the maps, and gives the same separator statistics."""
+    model, tok = minilm64
+    w = _small_windows(tok)
+    batch = w[:3].batch()
+    batch["attention_mask"] = batch["attention_mask"].clone()
+    batch["attention_mask"][1, -4:] = 0  # padding in one window
+    res = analyse_batch(model, batch)
+    maps = torch.stack(res.attentions, 1)  # [B, L, H, T, T]
+    content = (res.attention_mask.bool() & (res.sentence_ids >= 0)).double()
+    ref = torch.einsum("bq,blhqk->blhk", content, maps)
+    torch.testing.assert_close(res.received_attention, ref, atol=1e-12, rtol=1e-12)
+    seps = cs.separator_ids(tok)
+    config = dict(n_layers=6, n_heads=12, length=w.length, vocab_size=model.config.vocab_size,
+                  separators=seps)
+    fused = SimilarityStats(**config).update(res)
+    from_maps = SimilarityStats(**config).update(res._replace(received_attention=None))
+    for name, value in fused.tensors().items():
+        torch.testing.assert_close(value, getattr(from_maps, name), atol=1e-10, rtol=1e-10,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    with pytest.raises(ValueError, match="received_attention"):
+        SimilarityStats(**config).update(res._replace(received_attention=ref[:, :2]))
+
+
 def test_post_wo_contributions_sum_to_the_projection(minilm64):
     model, tok = minilm64
     batch = _small_windows(tok)[:2].batch()

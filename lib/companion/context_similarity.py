@@ -341,7 +341,7 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
-    z, attentions = _head_outputs_raw(model, _batch_tensors(batch))
+    z, attentions, _ = _head_outputs_raw(model, _batch_tensors(batch))
     if where == "post_wo":
         layers = encoder_layers(model)
         n_layers, n_heads, d = _heads(model)
@@ -365,34 +365,49 @@ class _AttentionMaps:
 
     ``buffer`` is ``[L, B, H, T, T]``; with a ``workspace`` dict it is reused between
     passes of equal shape, dtype and device (so the maps of a pass are overwritten by the
-    next one).
+    next one). With ``content`` (``[B, T]`` query weights, 1 for content tokens), the
+    attention every key receives from those queries, ``sum_q content_q A_qk``, is summed
+    while each window's maps are in cache: ``received`` ``[L, B, H, T]``.
     """
 
-    def __init__(self, n_layers: int, workspace: dict | None = None):
+    def __init__(self, n_layers: int, workspace: dict | None = None,
+                 content: torch.Tensor | None = None):
         self.n_layers = n_layers
         self.workspace = workspace
+        self.content = content
         self.buffer: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
         self.calls = 0
 
-    def next_layer(self, shape, dtype, device) -> torch.Tensor:
+    def _reused(self, name, shape, dtype, device) -> torch.Tensor:
+        cached = None if self.workspace is None else self.workspace.get(name)
+        if (cached is not None and tuple(cached.shape) == shape and cached.dtype == dtype
+                and cached.device == torch.device(device)):
+            return cached
+        fresh = torch.empty(shape, dtype=dtype, device=device)
+        if self.workspace is not None:
+            self.workspace[name] = fresh
+        return fresh
+
+    def next_layer(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The maps slice [B, H, Tq, Tk] of the next layer and its ``received`` slice."""
         if self.calls >= self.n_layers:
             raise RuntimeError(
                 f"model: more attention calls than the {self.n_layers} layers in one pass")
         full = (self.n_layers, *shape)
         if self.buffer is None:
-            cached = None if self.workspace is None else self.workspace.get("attention_maps")
-            if (cached is not None and tuple(cached.shape) == full and cached.dtype == dtype
-                    and cached.device == torch.device(device)):
-                self.buffer = cached
-            else:
-                self.buffer = torch.empty(full, dtype=dtype, device=device)
-                if self.workspace is not None:
-                    self.workspace["attention_maps"] = self.buffer
+            self.buffer = self._reused("attention_maps", full, dtype, device)
+            if self.content is not None:
+                if tuple(self.content.shape) != (shape[0], shape[2]):
+                    raise RuntimeError("content: expected [B, T] query weights")
+                self.received = self._reused("received_attention",
+                                             (self.n_layers, shape[0], shape[1], shape[3]),
+                                             dtype, device)
         if tuple(self.buffer.shape) != full:
             raise RuntimeError(f"model: attention layers of different shapes {shape} in one pass")
-        out = self.buffer[self.calls]
+        layer = self.calls
         self.calls += 1
-        return out
+        return self.buffer[layer], None if self.received is None else self.received[layer]
 
 
 def _eager_attention_into_buffer(module, query, key, value, attention_mask, scaling=None,
@@ -417,9 +432,11 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
     t_k = key.shape[2]
     if scaling is None:
         scaling = d ** -0.5
-    maps = sink.next_layer((bsz, n_heads, t_q, t_k), query.dtype, query.device)
+    maps, received = sink.next_layer((bsz, n_heads, t_q, t_k), query.dtype, query.device)
     out = torch.empty(bsz, n_heads, t_q, value.shape[-1], dtype=value.dtype,
                       device=value.device)
+    if received is not None:
+        content = sink.content.to(query.dtype)[:, None, :]  # [B, 1, Tq]
     for w in range(bsz):
         probs = maps[w]  # [H, Tq, Tk]
         torch.baddbmm(probs, query[w], key[w].transpose(1, 2), beta=0, alpha=scaling,
@@ -428,6 +445,8 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
             probs.add_(attention_mask[w if attention_mask.shape[0] > 1 else 0])
         torch.softmax(probs, dim=-1, out=probs)
         torch.matmul(probs, value[w], out=out[w])
+        if received is not None:  # [1, Tq] @ [H, Tq, Tk] -> [H, 1, Tk]
+            torch.matmul(content[w], probs, out=received[w].unsqueeze(1))
     return out.transpose(1, 2), maps
 
 
@@ -441,8 +460,11 @@ def _register_attention() -> None:
 
 
 @torch.no_grad()
-def _head_outputs_raw(model, tensors, workspace: dict | None = None) -> tuple[torch.Tensor, tuple]:
-    """Pre-W_O head outputs [B, L, H, T, d] and the per-layer attention maps (a tuple).
+def _head_outputs_raw(model, tensors, workspace: dict | None = None,
+                      content: torch.Tensor | None = None):
+    """Pre-W_O head outputs [B, L, H, T, d], the per-layer attention maps (a tuple) and,
+    with ``content`` ([B, T] query weights), the attention each key receives from those
+    queries, [B, L, H, T] (else None).
 
     The outputs are a view of a ``[L, H, B, T, d]`` tensor; with a ``workspace`` dict,
     outputs and maps live in buffers kept there and overwritten by the next call.
@@ -463,7 +485,7 @@ def _head_outputs_raw(model, tensors, workspace: dict | None = None) -> tuple[to
         return hook
 
     _register_attention()
-    maps = _AttentionMaps(n_layers, workspace)
+    maps = _AttentionMaps(n_layers, workspace, content)
     config = model.config
     configured = config._attn_implementation
     handles = [
@@ -492,7 +514,8 @@ def _head_outputs_raw(model, tensors, workspace: dict | None = None) -> tuple[to
                    ref.device).view(n_layers, n_heads, b, t, d)
     for layer, context in enumerate(captured):
         z[layer].copy_(context.view(b, t, n_heads, d).permute(2, 0, 1, 3))
-    return z.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0))
+    received = None if maps.received is None else maps.received.permute(1, 0, 2, 3)
+    return z.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0)), received
 
 
 def similarity_matrices(
@@ -545,6 +568,9 @@ class BatchResult(NamedTuple):
     sentence_ids: torch.Tensor  # [B, T], -1 at special tokens / padding
     attention_mask: torch.Tensor  # [B, T]
     metric: torch.Tensor | None = None  # [L, H, d, d]: similarity z_i^T M z_j (post-W_O)
+    # [B, L, H, T]: attention each key receives from the content queries (sentence id >= 0,
+    # not padding), sum_q A_qk; None: computed from the maps
+    received_attention: torch.Tensor | None = None
 
 
 def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None = None,
@@ -562,12 +588,13 @@ def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None
     tensors = _batch_tensors(batch)
     if tensors.get("sentence_ids") is None:
         raise ValueError("batch: expected 'sentence_ids' [B, T] (use companion.corpora.windows)")
-    z, attentions = _head_outputs_raw(model, tensors, workspace)
+    content = tensors["attention_mask"].bool() & (tensors["sentence_ids"] >= 0)
+    z, attentions, received = _head_outputs_raw(model, tensors, workspace, content)
     metric = None
     if where == "post_wo":
         metric = gram if gram is not None else wo_gram(model)
     return BatchResult(z, attentions, tensors["input_ids"], tensors["sentence_ids"],
-                       tensors["attention_mask"], metric)
+                       tensors["attention_mask"], metric, received)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -945,6 +972,13 @@ class SimilarityStats:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, t_len):
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"batch_result.{name}: expected shape {(b, t_len)}, got {got}")
+        received = batch_result.received_attention
+        if received is not None and (not isinstance(received, torch.Tensor) or tuple(
+                received.shape) != (b, n_l, n_h, t_len)):
+            got = tuple(received.shape) if isinstance(received, torch.Tensor) else type(
+                received).__name__
+            raise ValueError("batch_result.received_attention: expected shape "
+                             f"{(b, n_l, n_h, t_len)} or None, got {got}")
         ids = batch_result.input_ids
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(
@@ -978,13 +1012,18 @@ class SimilarityStats:
         if self.separators:
             sep_ids = torch.tensor(list(self.separators.values()), device=dev)
             key_kind = ((ids[:, :, None] == sep_ids) & mask[:, :, None])  # [B, T, S]
-            inv_b, inv_q = (~valid).nonzero(as_tuple=True)
-            per_layer = []
-            for a in layers:
-                from_content = a.sum(2)  # [B, H, T]
-                from_content.index_add_(0, inv_b, a[inv_b, :, inv_q, :], alpha=-1)
-                per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)).sum(0))
-            acc["separator_attention"] = torch.stack(per_layer).double()
+            received = batch_result.received_attention
+            if received is not None:  # [B, L, H, T] from the forward pass
+                acc["separator_attention"] = torch.einsum(
+                    "blht,bts->lhs", received.to(dev), key_kind.to(received.dtype)).double()
+            else:
+                inv_b, inv_q = (~valid).nonzero(as_tuple=True)
+                per_layer = []
+                for a in layers:
+                    from_content = a.sum(2)  # [B, H, T]
+                    from_content.index_add_(0, inv_b, a[inv_b, :, inv_q, :], alpha=-1)
+                    per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)).sum(0))
+                acc["separator_attention"] = torch.stack(per_layer).double()
             n_keys = mask.sum(1).double().clamp(min=1)
             acc["chance_separator"] = (n_tok.double()[:, None] * key_kind.sum(1).double()
                                        / n_keys[:, None]).sum(0)
@@ -999,7 +1038,10 @@ class SimilarityStats:
         acc["similarity_sum"] = sim_sum
         for name, value in acc.items():
             t = getattr(self, name)
-            t += value.to(device=t.device, dtype=t.dtype)
+            if t.is_floating_point():
+                t += value.to(device=t.device)  # promoted in place, no float64 copy
+            else:
+                t += value.to(device=t.device, dtype=t.dtype)
         return self
 
     def _update_pairs(self, acc, layers, ids, sent, valid, k, pi, pj):
@@ -1025,20 +1067,24 @@ class SimilarityStats:
         in_region = att >= self.attention_threshold
 
         # Per window: content pairs and same-sentence content pairs at each distance.
-        iu, ju = torch.triu_indices(t_len, t_len, offset=1, device=dev)
-        valid_u = valid[:, iu] & valid[:, ju]
-        same_u = valid_u & (sent[:, iu] == sent[:, ju])
-        ident_u = valid_u & (ids[:, iu] == ids[:, ju])
-        dist_u = (ju - iu).expand(b, -1)
-        same_by_d = torch.zeros(b, t_len, device=dev, dtype=torch.float64)
-        valid_by_d = torch.zeros(b, t_len, device=dev, dtype=torch.float64)
-        same_by_d.scatter_add_(1, dist_u, same_u.double())
-        valid_by_d.scatter_add_(1, dist_u, valid_u.double())
-        q = same_by_d / valid_by_d.clamp(min=1)  # P(same sentence | distance), [B, T]
+        # Pair (i, j), i < j, of the [T, T] table sits at i (T + 1) + (j - i) of its
+        # flattened strict upper triangle: viewed as rows of T + 1 (after T zeros of
+        # padding), column d sums the pairs at distance d (entries that wrap into the
+        # next row are from the lower triangle, zero).
+        upper = torch.ones(t_len, t_len, dtype=torch.bool, device=dev).triu(1)
+        valid_u = valid[:, :, None] & valid[:, None, :] & upper  # [B, T, T]
+        same_u = valid_u & (sent[:, :, None] == sent[:, None, :])
+        ident_u = valid_u & (ids[:, :, None] == ids[:, None, :])
+
+        def by_distance(pairs):  # [B, T, T] bool -> [B, T] counts per distance j - i
+            padded = torch.nn.functional.pad(pairs.view(b, -1).double(), (0, t_len))
+            return padded.view(b, t_len, t_len + 1).sum(1)[:, :t_len]
+
+        q = by_distance(same_u) / by_distance(valid_u).clamp(min=1)  # P(same | d), [B, T]
         q_sel = q.gather(1, dist_sel.reshape(b, -1)).view(shape)
-        n_pairs = valid_u.sum(1).double().clamp(min=1)
-        p_same = same_u.sum(1).double() / n_pairs
-        p_ident = ident_u.sum(1).double() / n_pairs
+        n_pairs = valid_u.sum((1, 2)).double().clamp(min=1)
+        p_same = same_u.sum((1, 2)).double() / n_pairs
+        p_ident = ident_u.sum((1, 2)).double() / n_pairs
 
         lh = torch.arange(n_l * n_h, device=dev).view(1, n_l, n_h, 1)
 
