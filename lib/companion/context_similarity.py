@@ -717,14 +717,21 @@ def top_pairs(
     q = _divisor_at_most(g, math.isqrt(g))  # piece length
     flat = _workspace(workspace, "similarity", n * t * t, outputs.dtype, dev)
     sims = flat.view(lh, b, t, t)
-    seg_max = torch.empty(lh, b, t, ns, dtype=outputs.dtype, device=dev)
-    total = torch.empty(lh, t, t, dtype=outputs.dtype, device=dev) if return_sum else None
+    seg_max = _workspace(workspace, "segment_maxima", n * t * ns, outputs.dtype, dev).view(
+        lh, b, t, ns)
+    total = None
+    if return_sum:
+        total = _workspace(workspace, "similarity_sum", lh * t * t, outputs.dtype, dev).view(
+            lh, t, t)
     # Entries that are never pairs, as flat offsets in one [B, T, T] block of matrices:
     # j <= i inside the diagonal segment x segment blocks, and the columns of invalid
     # tokens j (invalid rows i are dropped through the segment maxima below).
     tok = torch.arange(t, device=dev)
     in_block_lower = ((tok[:, None] // g) == (tok[None, :] // g)) & (tok[None, :] <= tok[:, None])
     never = (in_block_lower[None] | ~valid[:, None, :]).view(-1).nonzero().squeeze(1)
+    # segments wholly below the diagonal and the rows of invalid tokens i: maximum -inf
+    excluded = ((tok[None, :ns] < (tok // g)[:, None])[None] | ~valid[:, :, None])  # [B, T, ns]
+    minus_inf = torch.full((), neg_inf, dtype=outputs.dtype, device=dev)
     # about 1 MiB of products per step on a CPU (cache-sized); everything at once elsewhere
     step = max(1, (1 << 20) // (b * t * t * outputs.element_size())) if dev.type == "cpu" else lh
     for c0 in range(0, lh, step):
@@ -736,14 +743,13 @@ def top_pairs(
         part.view(c1 - c0, -1).index_fill_(1, never, neg_inf)
         # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory); max
         # pooling is much faster than amax over short contiguous runs
-        seg_max[c0:c1] = torch.nn.functional.max_pool1d(part.view(-1, t, t), g).view(
-            c1 - c0, b, t, ns)
+        pooled = torch.nn.functional.max_pool1d(part.view(-1, t, t), g).view(c1 - c0, b, t, ns)
+        torch.where(excluded, minus_inf, pooled, out=seg_max[c0:c1])
     if total is not None:
         total.diagonal(dim1=1, dim2=2).zero_()
-    below = (torch.arange(ns, device=dev)[None, :]
-             < (torch.arange(t, device=dev) // g)[:, None])  # [T, ns]: all columns j < i
-    seg_max.masked_fill_(below | ~valid[:, :, None], neg_inf)
-    row_max = seg_max.view(n, t, ns).amax(2)  # [N, T]
+    # row parts of rp neighbouring segments, rp balancing the first two selections
+    rp = _divisor_at_most(ns, max(1, round(math.sqrt(t * ns / k))))
+    part_max = seg_max.view(n, t * ns // rp, rp).amax(2)  # [N, T ns / rp]
 
     def keep(values, m):
         return values.topk(min(m, values.shape[1]), dim=-1, sorted=False)
@@ -759,19 +765,24 @@ def top_pairs(
             return x >> (m.bit_length() - 1), x & (m - 1)
         return x // m, x % m
 
-    # rows -> segments -> pieces -> entries, k members kept per level
-    _, row = keep(row_max, k)  # [N, m_r]
-    seg_val, pos = keep(children(seg_max, ns, row).view(n, -1), k)
-    parent, slot = split(pos, ns)
-    seg = row.gather(1, parent) * ns + slot  # segment index i ns + c, [N, m_s]
+    # row parts -> segments -> pieces -> entries, k members kept per level
+    _, part = keep(part_max, k)  # [N, m_p]
+    seg_val, pos = keep(children(seg_max, rp, part).view(n, -1), k)
+    parent, slot = split(pos, rp)
+    seg = part.gather(1, parent) * rp + slot  # segment index i ns + c, [N, m_s]
     pieces = children(flat, g, seg).view(n, -1, q)  # piece = segment slot * (g / q) + r
     piece_max = torch.nn.functional.max_pool1d(pieces.view(n, 1, -1), q).view(n, -1, g // q)
     # entries of excluded segments (below the diagonal, invalid i) are not pairs: their
     # pieces get the maximum -inf, and entries of kept pieces with maximum -inf are dropped
-    piece_max.masked_fill_(torch.isneginf(seg_val)[:, :, None], neg_inf)
+    # (only when fewer than k segments hold pairs)
+    excluded_seg = torch.isneginf(seg_val)
+    if bool(excluded_seg.any()):
+        piece_max.masked_fill_(excluded_seg[:, :, None], neg_inf)
     piece_val, piece = keep(piece_max.view(n, -1), k)
-    entries = pieces.gather(1, piece[:, :, None].expand(-1, -1, q))
-    entries.masked_fill_(torch.isneginf(piece_val)[:, :, None], neg_inf)
+    entries = children(pieces, q, piece)  # [N, m_q, q]
+    excluded_piece = torch.isneginf(piece_val)
+    if bool(excluded_piece.any()):
+        entries.masked_fill_(excluded_piece[:, :, None], neg_inf)
     v, pos = entries.view(n, -1).topk(k, dim=-1, sorted=False)
     if sort:
         v, order = v.sort(dim=-1, descending=True, stable=True)
@@ -1077,8 +1088,8 @@ class SimilarityStats:
         ident_u = valid_u & (ids[:, :, None] == ids[:, None, :])
 
         def by_distance(pairs):  # [B, T, T] bool -> [B, T] counts per distance j - i
-            padded = torch.nn.functional.pad(pairs.view(b, -1).double(), (0, t_len))
-            return padded.view(b, t_len, t_len + 1).sum(1)[:, :t_len]
+            padded = torch.nn.functional.pad(pairs.view(b, -1).float(), (0, t_len))  # exact
+            return padded.view(b, t_len, t_len + 1).sum(1)[:, :t_len].double()
 
         q = by_distance(same_u) / by_distance(valid_u).clamp(min=1)  # P(same | d), [B, T]
         q_sel = q.gather(1, dist_sel.reshape(b, -1)).view(shape)
