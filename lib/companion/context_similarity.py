@@ -66,6 +66,7 @@ __all__ = [
     "SimilarityStats",
     "analyse_batch",
     "analyse_corpus",
+    "clear_workspaces",
     "default_model_path",
     "encoder_layers",
     "head_outputs",
@@ -380,14 +381,7 @@ class _AttentionMaps:
         self.calls = 0
 
     def _reused(self, name, shape, dtype, device) -> torch.Tensor:
-        cached = None if self.workspace is None else self.workspace.get(name)
-        if (cached is not None and tuple(cached.shape) == shape and cached.dtype == dtype
-                and cached.device == torch.device(device)):
-            return cached
-        fresh = torch.empty(shape, dtype=dtype, device=device)
-        if self.workspace is not None:
-            self.workspace[name] = fresh
-        return fresh
+        return _workspace(self.workspace, name, math.prod(shape), dtype, device).view(shape)
 
     def next_layer(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The maps slice [B, H, Tq, Tk] of the next layer and its ``received`` slice."""
@@ -608,6 +602,18 @@ def _k_of(n_pairs: torch.Tensor, percentile: float) -> torch.Tensor:
 def _divisor_at_most(t: int, target: int) -> int:
     """Largest divisor of ``t`` not above ``target`` (at least 1)."""
     return max(s for s in range(1, max(1, min(t, target)) + 1) if t % s == 0)
+
+
+# Work buffers of analyse_corpus, per device, kept between calls: buffers of tens of
+# megabytes are handed back to the operating system when freed, and page-faulting them
+# in again costs about as much per call as a batch of analysis. clear_workspaces() frees them.
+_SHARED_WORKSPACES: dict[str, dict] = {}
+
+
+def clear_workspaces() -> None:
+    """Free the work buffers :func:`analyse_corpus` keeps between calls (about
+    ``12 L H B T^2`` bytes per device in float32, ~180 MB for MiniLM, batches of 16)."""
+    _SHARED_WORKSPACES.clear()
 
 
 def _workspace(cache: dict | None, name: str, numel: int, dtype, device) -> torch.Tensor:
@@ -1046,13 +1052,14 @@ class SimilarityStats:
             self._update_pairs(acc, layers, ids, sent, valid, k, pi, pj)
         else:  # no content pairs at all: only the mean similarity
             sim_sum = similarity_matrices(z, metric=batch_result.metric).sum(0)
-        acc["similarity_sum"] = sim_sum
+        # the [L, H, T, T] sum goes through a kept float64 buffer: a fresh one per batch
+        # would be page-faulted in every time
+        wide = _workspace(self._workspace, "similarity_sum_float64", sim_sum.numel(),
+                          self.similarity_sum.dtype, self.similarity_sum.device)
+        acc["similarity_sum"] = wide.view(sim_sum.shape).copy_(sim_sum)
         for name, value in acc.items():
             t = getattr(self, name)
-            if t.is_floating_point():
-                t += value.to(device=t.device)  # promoted in place, no float64 copy
-            else:
-                t += value.to(device=t.device, dtype=t.dtype)
+            t += value.to(device=t.device, dtype=t.dtype)
         return self
 
     def _update_pairs(self, acc, layers, ids, sent, valid, k, pi, pj):
@@ -1275,7 +1282,9 @@ def analyse_corpus(
 
     Complexity
     ----------
-    One forward pass per window plus O(L H T^2) per window for the statistics.
+    One forward pass per window plus O(L H T^2) per window for the statistics. Memory:
+    work buffers of about ``12 L H B T^2`` bytes (float32), kept between calls on each
+    device (:func:`clear_workspaces` frees them); not for concurrent calls from threads.
     """
     from companion.corpora import Windows
 
@@ -1305,7 +1314,9 @@ def analyse_corpus(
     n_batches = math.ceil(len(windows) / batch_size)
     mine = range(rank, n_batches, world)
     gram = wo_gram(model) if where == "post_wo" else None
-    maps: dict = {}  # the attention-map buffer, reused by every batch
+    # buffers (maps, head outputs, similarity products) reused by every batch and call
+    workspace = _SHARED_WORKSPACES.setdefault(str(model_device), {})
+    stats._workspace = workspace
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
@@ -1314,7 +1325,7 @@ def analyse_corpus(
     for k in mine:
         part = windows[k * batch_size:(k + 1) * batch_size]
         batch = {name: t.to(model_device) for name, t in part.batch().items()}
-        stats.update(analyse_batch(model, batch, where=where, gram=gram, workspace=maps))
+        stats.update(analyse_batch(model, batch, where=where, gram=gram, workspace=workspace))
         if bar is not None:
             # rank 0 speaks for all ranks: they advance in lock-step over equal shards
             bar.update(min(len(part) * world, bar.total - bar.n))
