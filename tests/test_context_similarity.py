@@ -380,6 +380,22 @@ def test_stats_equal_brute_force_reference(seed, percentile):
                                                  again.tensors().values()))
 
 
+
+@pytest.mark.parametrize("seed,percentile", [(3, 5.0), (4, 1.0)])
+def test_stats_equal_brute_force_when_all_windows_keep_the_same_k(seed, percentile):
+    """Windows with equal numbers of content pairs (no per-window prefix to keep)."""
+    res = _random_batch(seed)
+    keep = torch.tensor([0, 2])  # same content tokens in both, no padding
+    res = BatchResult(*(x[keep] for x in res[:5]))
+    seps = {"sep": 2, "comma": 4}
+    stats = SimilarityStats(2, 3, 20, 9, percentile=percentile, attention_threshold=0.08,
+                            separators=seps).update(res)
+    ref = _reference_stats(res, percentile, 0.08, seps, 9)
+    for name, value in stats.tensors().items():
+        torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_stats_on_hand_made_batch():
     """[CLS] x y x . z x [SEP]: sentences {1..4}, {5, 6}; token x = 5 three times.
 

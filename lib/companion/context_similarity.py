@@ -1105,32 +1105,41 @@ class SimilarityStats:
         p_ident = ident_u.sum((1, 2)).double() / n_pairs
 
         lh = torch.arange(n_l * n_h, device=dev).view(1, n_l, n_h, 1)
+        n_bins = n_l * n_h * t_len
+        if bool((k == k_max).all()):  # every window keeps all k_max pairs (the usual case)
+            sel = None
 
-        def hist(m, values, size):
-            # pairs outside ``m`` go to an extra bin that is dropped (no boolean indexing)
-            idx = torch.where(m, lh * size + values, n_l * n_h * size)
-            return torch.bincount(idx.reshape(-1), minlength=n_l * n_h * size + 1)[:-1].view(
-                n_l, n_h, size)
+        def kept(m):
+            return m if sel is None else m & sel
 
-        out_sel = sel & ~in_region
+        # the three distance histograms from one bincount; pairs outside a histogram's set
+        # go to a last bin that is dropped (no boolean indexing)
+        bin_of = lh * t_len + dist_sel
+        out_sel = kept(~in_region)
+        idx = torch.cat([torch.where(m, bin_of + c * n_bins, 3 * n_bins).reshape(-1) for c, m in
+                         enumerate((kept(torch.ones_like(in_region)), kept(ident_sel),
+                                    out_sel))])
+        hists = torch.bincount(idx, minlength=3 * n_bins + 1)[:-1].view(3, n_l, n_h, t_len)
         k_d = k.double()
-        acc["n_high"] = sel.sum((0, 3))
-        acc["distance_hist"] = hist(sel, dist_sel, t_len)
-        acc["same_sentence"] = (same_sel & sel).sum((0, 3))
+        acc["n_high"] = hists[0].sum(-1)
+        acc["distance_hist"] = hists[0]
+        acc["same_sentence"] = kept(same_sel).sum((0, 3))
         acc["chance_same_sentence"] = (k_d * p_same).sum().expand(n_l, n_h)
-        acc["chance_same_sentence_distance"] = (q_sel * sel).sum((0, 3))
-        acc["identical"] = (ident_sel & sel).sum((0, 3))
+        acc["chance_same_sentence_distance"] = (q_sel if sel is None else q_sel * sel).sum(
+            (0, 3))
+        acc["identical"] = hists[1].sum(-1)
         acc["chance_identical"] = (k_d * p_ident).sum().expand(n_l, n_h)
-        acc["identical_distance_hist"] = hist(sel & ident_sel, dist_sel, t_len)
-        acc["in_attention_region"] = (sel & in_region).sum((0, 3))
-        acc["masked_distance_hist"] = hist(out_sel, dist_sel, t_len)
+        acc["identical_distance_hist"] = hists[1]
+        acc["in_attention_region"] = kept(in_region).sum((0, 3))
+        acc["masked_distance_hist"] = hists[2]
         acc["masked_same_sentence"] = (same_sel & out_sel).sum((0, 3))
         acc["masked_chance_same_sentence_distance"] = (q_sel * out_sel).sum((0, 3))
         # [L, H, V] is large: scatter into the sums directly instead of a dense bincount
         # (pairs beyond a window's k add 0, no boolean indexing).
         v = self.vocab_size
         counts = self.token_counts.view(-1)
-        ones = sel.to(device=self.device, dtype=counts.dtype).reshape(-1)
+        ones = (torch.ones(tok_i.numel(), dtype=counts.dtype, device=self.device) if sel is None
+                else sel.to(device=self.device, dtype=counts.dtype).reshape(-1))
         for tok in (tok_i, tok_j):
             counts.index_add_(0, (lh * v + tok).reshape(-1).to(self.device), ones)
 
