@@ -1098,11 +1098,12 @@ class SimilarityStats:
             padded = torch.nn.functional.pad(pairs.view(b, -1).float(), (0, t_len))  # exact
             return padded.view(b, t_len, t_len + 1).sum(1)[:, :t_len].double()
 
-        q = by_distance(same_u) / by_distance(valid_u).clamp(min=1)  # P(same | d), [B, T]
+        same_d, valid_d = by_distance(same_u), by_distance(valid_u)
+        q = same_d / valid_d.clamp(min=1)  # P(same sentence | distance), [B, T]
         q_sel = q.gather(1, dist_sel.reshape(b, -1)).view(shape)
-        n_pairs = valid_u.sum((1, 2)).double().clamp(min=1)
-        p_same = same_u.sum((1, 2)).double() / n_pairs
-        p_ident = ident_u.sum((1, 2)).double() / n_pairs
+        n_pairs = valid_d.sum(1).clamp(min=1)
+        p_same = same_d.sum(1) / n_pairs
+        p_ident = torch.count_nonzero(ident_u.view(b, -1), dim=1).double() / n_pairs
 
         lh = torch.arange(n_l * n_h, device=dev).view(1, n_l, n_h, 1)
         n_bins = n_l * n_h * t_len
@@ -1116,10 +1117,12 @@ class SimilarityStats:
         # go to a last bin that is dropped (no boolean indexing)
         bin_of = lh * t_len + dist_sel
         out_sel = kept(~in_region)
-        idx = torch.cat([torch.where(m, bin_of + c * n_bins, 3 * n_bins).reshape(-1) for c, m in
-                         enumerate((kept(torch.ones_like(in_region)), kept(ident_sel),
-                                    out_sel))])
-        hists = torch.bincount(idx, minlength=3 * n_bins + 1)[:-1].view(3, n_l, n_h, t_len)
+        idx = torch.empty((3, *shape), dtype=bin_of.dtype, device=dev)
+        dropped = torch.full((), 3 * n_bins, dtype=bin_of.dtype, device=dev)
+        for c, m in enumerate((kept(torch.ones_like(in_region)), kept(ident_sel), out_sel)):
+            torch.where(m, bin_of + c * n_bins, dropped, out=idx[c])
+        hists = torch.bincount(idx.view(-1), minlength=3 * n_bins + 1)[:-1].view(
+            3, n_l, n_h, t_len)
         k_d = k.double()
         acc["n_high"] = hists[0].sum(-1)
         acc["distance_hist"] = hists[0]
