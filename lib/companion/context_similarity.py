@@ -599,6 +599,20 @@ def _k_of(n_pairs: torch.Tensor, percentile: float) -> torch.Tensor:
     return torch.minimum(torch.clamp(k, min=1), n_pairs)
 
 
+def _run_max(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Maxima of consecutive runs of ``width`` along the last axis of a 2-D tensor.
+
+    Same numbers whichever way; the fastest on a CPU: a reduction over the last axis for
+    runs of 32 and more, max pooling for shorter runs (a reduction over short contiguous
+    runs does not vectorise).
+    """
+    if width == 1:
+        return x
+    if width >= 32:
+        return x.view(x.shape[0], -1, width).amax(2)
+    return torch.nn.functional.max_pool1d(x.unsqueeze(1), width).squeeze(1)
+
+
 def _divisor_at_most(t: int, target: int) -> int:
     """Largest divisor of ``t`` not above ``target`` (at least 1)."""
     return max(s for s in range(1, max(1, min(t, target)) + 1) if t % s == 0)
@@ -637,7 +651,7 @@ def top_pairs(
     valid: torch.Tensor,
     k: int,
     metric: torch.Tensor | None = None,
-    segment: int = 16,
+    segment: int = 32,
     return_sum: bool = False,
     workspace: dict | None = None,
     sort: bool = True,
@@ -655,16 +669,18 @@ def top_pairs(
        sum over the windows is taken, then the lower triangle inside the diagonal
        ``segment x segment`` blocks, the diagonal and the columns of invalid tokens are
        set to ``-inf``, and each row is cut into *segments* of ``segment`` consecutive
-       columns whose maxima are one max-pooling pass;
+       columns whose maxima are one reduction (32 columns: a reduction over short runs
+       does not vectorise);
     2. segments wholly below the diagonal and the rows of invalid tokens get the maximum
-       ``-inf`` (their entries are never candidates); each row's maximum is the maximum
-       of its segments';
+       ``-inf`` (their entries are never candidates); *row parts* of a few neighbouring
+       segments take the maximum of theirs;
     3. top-down, each level keeps the ``k`` members with the largest maxima and looks only
-       at their children, which are contiguous in memory: rows, then segments, then
-       *pieces* of a few consecutive entries of a segment, then entries. Every top-``k``
-       entry lies in a member whose maximum is at least the ``k``-th largest value, hence
-       in one of the ``k`` members kept at every level, so the result is exact; only the
-       ``k`` winners are sorted.
+       at their children, which are contiguous in memory: row parts, then segments, then
+       runs of about a quarter of the parent's length, down to single entries (the
+       maxima of the runs of the ``k`` kept members are computed on the spot). Every
+       top-``k`` entry lies in a member whose maximum is at least the ``k``-th largest
+       value, hence in one of the ``k`` members kept at every level, so the result is
+       exact; only the ``k`` winners are sorted.
 
     Parameters
     ----------
@@ -695,9 +711,10 @@ def top_pairs(
     Complexity
     ----------
     O(B L H T^2 d) for the product, two passes over its entries (segment maxima, batch
-    sum) while it is in cache; per matrix, top-k selections over ``T``, ``k T / g``,
-    ``k g / q`` and ``k q`` entries (``g`` the segment length, ``q`` the piece length,
-    about ``sqrt(g)``) and a sort of ``k``. Memory: the ``B L H T^2`` buffer.
+    sum) while it is in cache; per matrix, top-k selections over ``T^2 / (g r)`` row
+    parts, ``k r`` segments and about ``4 k`` runs per level below (``g`` the segment
+    length, ``r`` segments per row part, about ``sqrt(T^2 / (g k))``), and a sort of ``k``.
+    Memory: the ``B L H T^2`` buffer.
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
         raise ValueError("outputs: expected a 5-D tensor [B, L, H, T, d]")
@@ -720,7 +737,6 @@ def top_pairs(
         left = torch.matmul(right, metric.to(outputs.dtype).reshape(lh, 1, d, d))
     g = _divisor_at_most(t, segment)  # segment length
     ns = t // g  # segments per row
-    q = _divisor_at_most(g, math.isqrt(g))  # piece length
     flat = _workspace(workspace, "similarity", n * t * t, outputs.dtype, dev)
     sims = flat.view(lh, b, t, t)
     seg_max = _workspace(workspace, "segment_maxima", n * t * ns, outputs.dtype, dev).view(
@@ -747,9 +763,8 @@ def top_pairs(
         if total is not None:
             torch.sum(part, 1, out=total[c0:c1])
         part.view(c1 - c0, -1).index_fill_(1, never, neg_inf)
-        # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory); max
-        # pooling is much faster than amax over short contiguous runs
-        pooled = torch.nn.functional.max_pool1d(part.view(-1, t, t), g).view(c1 - c0, b, t, ns)
+        # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory)
+        pooled = _run_max(part.view(-1, t), g).view(c1 - c0, b, t, ns)
         torch.where(excluded, minus_inf, pooled, out=seg_max[c0:c1])
     if total is not None:
         total.diagonal(dim1=1, dim2=2).zero_()
@@ -771,33 +786,32 @@ def top_pairs(
             return x >> (m.bit_length() - 1), x & (m - 1)
         return x // m, x % m
 
-    # row parts -> segments -> pieces -> entries, k members kept per level
+    # row parts -> segments -> runs of about a quarter of their parent's length -> ...
+    # -> entries, k members kept per level
     _, part = keep(part_max, k)  # [N, m_p]
-    seg_val, pos = keep(children(seg_max, rp, part).view(n, -1), k)
+    val, pos = keep(children(seg_max, rp, part).view(n, -1), k)
     parent, slot = split(pos, rp)
-    seg = part.gather(1, parent) * rp + slot  # segment index i ns + c, [N, m_s]
-    pieces = children(flat, g, seg).view(n, -1, q)  # piece = segment slot * (g / q) + r
-    piece_max = torch.nn.functional.max_pool1d(pieces.view(n, 1, -1), q).view(n, -1, g // q)
-    # entries of excluded segments (below the diagonal, invalid i) are not pairs: their
-    # pieces get the maximum -inf, and entries of kept pieces with maximum -inf are dropped
-    # (only when fewer than k segments hold pairs)
-    excluded_seg = torch.isneginf(seg_val)
+    unit_i, c = split(part.gather(1, parent) * rp + slot, ns)  # kept segments: row i, c
+    unit_j = c * g  # first column
+    values = children(flat, g, unit_i * ns + c)  # [N, m, g] entries of the kept segments
+    # entries of excluded segments (below the diagonal, invalid i) are not pairs (there are
+    # such among the kept ones only when fewer than k segments hold pairs)
+    excluded_seg = torch.isneginf(val)
     if bool(excluded_seg.any()):
-        piece_max.masked_fill_(excluded_seg[:, :, None], neg_inf)
-    piece_val, piece = keep(piece_max.view(n, -1), k)
-    entries = children(pieces, q, piece)  # [N, m_q, q]
-    excluded_piece = torch.isneginf(piece_val)
-    if bool(excluded_piece.any()):
-        entries.masked_fill_(excluded_piece[:, :, None], neg_inf)
-    v, pos = entries.view(n, -1).topk(k, dim=-1, sorted=False)
+        values.masked_fill_(excluded_seg[:, :, None], neg_inf)
+    size = g
+    while size > 1:
+        sub = _divisor_at_most(size, max(1, size // 4))
+        val, pos = keep(_run_max(values.view(n, -1), sub), k)
+        parent, r = split(pos, size // sub)
+        unit_i = unit_i.gather(1, parent)
+        unit_j = unit_j.gather(1, parent) + r * sub
+        values = children(values, sub, pos)  # [N, m, sub]
+        size = sub
+    v, i_sel, j_sel = val, unit_i, unit_j
     if sort:
         v, order = v.sort(dim=-1, descending=True, stable=True)
-        pos = pos.gather(1, order)
-    parent, offset = split(pos, q)
-    piece_of = piece.gather(1, parent)
-    parent, part_of_segment = split(piece_of, g // q)
-    i_sel, c = split(seg.gather(1, parent), ns)
-    j_sel = c * g + part_of_segment * q + offset
+        i_sel, j_sel = i_sel.gather(1, order), j_sel.gather(1, order)
 
     def by_window(x):  # [L H B, k] -> [B, L, H, k]
         return x.view(n_l, n_h, b, k).permute(2, 0, 1, 3).contiguous()
