@@ -598,3 +598,10 @@ def test_analyse_corpus_on_real_windows_is_consistent(minilm64):
     frac = pre.separator_attention_mean().sum(-1)
     assert ((frac >= 0) & (frac <= 1 + 1e-9)).all()
     assert not torch.equal(pre.distance_hist, post.distance_hist)
+    # work buffers are kept between calls and reused: the same statistics again
+    assert cs._SHARED_WORKSPACES
+    again = analyse_corpus(model, w, tokenizer=tok, batch_size=4, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(pre.tensors().values(),
+                                                 again.tensors().values()))
+    cs.clear_workspaces()
+    assert not cs._SHARED_WORKSPACES
