@@ -39,7 +39,8 @@ Functions
     streaming, mergeable (all fields are sums) statistics over windows.
 :func:`analyse_corpus`
     drives the analysis over windows, sharded over ``torch.distributed`` ranks when a
-    process group is initialised (``torchrun``), with all-reduced statistics.
+    process group is initialised (``torchrun``), with all-reduced statistics; its work
+    buffers are kept between calls (:func:`clear_workspaces` frees them).
 
 Run at scale with ``torchrun --nproc-per-node N -m companion.context_similarity ...``.
 """
@@ -697,7 +698,9 @@ def top_pairs(
         Also return the sum over the batch of the similarity matrices, zero diagonal,
         [L, H, T, T] (before any masking).
     workspace : dict, optional
-        Keeps the ``[L H B, T, T]`` buffer between calls (pass the same dict each time).
+        Keeps the ``[L H B, T, T]`` buffer (and the smaller ones) between calls (pass the
+        same dict each time); the returned sum then lives there too, overwritten by the
+        next call.
     sort : bool
         Sort the ``k`` pairs by decreasing similarity (needed to keep a prefix); False
         returns them in no particular order.
