@@ -732,7 +732,6 @@ def top_pairs(
     if not isinstance(segment, int) or isinstance(segment, bool) or segment < 1:
         raise ValueError(f"segment: expected a positive int, got {segment!r}")
     dev, lh = outputs.device, n_l * n_h
-    n = lh * b  # matrices, ordered (layer, head, window)
     neg_inf = float("-inf")
     right = outputs.permute(1, 2, 0, 3, 4).reshape(lh, b, t, d)  # a view for head_outputs'
     left = right
@@ -740,10 +739,16 @@ def top_pairs(
         left = torch.matmul(right, metric.to(outputs.dtype).reshape(lh, 1, d, d))
     g = _divisor_at_most(t, segment)  # segment length
     ns = t // g  # segments per row
-    flat = _workspace(workspace, "similarity", n * t * t, outputs.dtype, dev)
-    sims = flat.view(lh, b, t, t)
-    seg_max = _workspace(workspace, "segment_maxima", n * t * ns, outputs.dtype, dev).view(
-        lh, b, t, ns)
+    cpu = dev.type == "cpu"
+    # about 1 MiB of products per step and 8 MiB per group of steps on a CPU: each step's
+    # passes find the products in the core's cache, each group's selection in the shared
+    # cache (a buffer of all products would be written back to main memory and gathered
+    # from there); everything at once elsewhere
+    step = max(1, (1 << 20) // (b * t * t * outputs.element_size())) if cpu else lh
+    group = step * 8 if cpu else lh
+    flat = _workspace(workspace, "similarity", min(group, lh) * b * t * t, outputs.dtype, dev)
+    seg_flat = _workspace(workspace, "segment_maxima", min(group, lh) * b * t * ns,
+                          outputs.dtype, dev)
     total = None
     if return_sum:
         total = _workspace(workspace, "similarity_sum", lh * t * t, outputs.dtype, dev).view(
@@ -757,23 +762,54 @@ def top_pairs(
     # segments wholly below the diagonal and the rows of invalid tokens i: maximum -inf
     excluded = ((tok[None, :ns] < (tok // g)[:, None])[None] | ~valid[:, :, None])  # [B, T, ns]
     minus_inf = torch.full((), neg_inf, dtype=outputs.dtype, device=dev)
-    # about 1 MiB of products per step on a CPU (cache-sized); everything at once elsewhere
-    step = max(1, (1 << 20) // (b * t * t * outputs.element_size())) if dev.type == "cpu" else lh
-    for c0 in range(0, lh, step):
-        c1 = min(lh, c0 + step)
-        part = sims[c0:c1]  # [c, B, T, T]
-        torch.matmul(left[c0:c1], right[c0:c1].transpose(-1, -2), out=part)
-        if total is not None:
-            torch.sum(part, 1, out=total[c0:c1])
-        part.view(c1 - c0, -1).index_fill_(1, never, neg_inf)
-        # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory)
-        pooled = _run_max(part.view(-1, t), g).view(c1 - c0, b, t, ns)
-        torch.where(excluded, minus_inf, pooled, out=seg_max[c0:c1])
-    if total is not None:
-        total.diagonal(dim1=1, dim2=2).zero_()
     # row parts of rp neighbouring segments, rp balancing the first two selections
     rp = _divisor_at_most(ns, max(1, round(math.sqrt(t * ns / k))))
-    part_max = seg_max.view(n, t * ns // rp, rp).amax(2)  # [N, T ns / rp]
+    v = torch.empty(lh * b, k, dtype=outputs.dtype, device=dev)
+    i_sel = torch.empty(lh * b, k, dtype=torch.long, device=dev)
+    j_sel = torch.empty(lh * b, k, dtype=torch.long, device=dev)
+    for g0 in range(0, lh, group):
+        g1 = min(lh, g0 + group)
+        sims = flat[:(g1 - g0) * b * t * t].view(g1 - g0, b, t, t)
+        seg_max = seg_flat[:(g1 - g0) * b * t * ns].view(g1 - g0, b, t, ns)
+        for c0 in range(g0, g1, step):
+            c1 = min(g1, c0 + step)
+            part = sims[c0 - g0:c1 - g0]  # [c, B, T, T]
+            torch.matmul(left[c0:c1], right[c0:c1].transpose(-1, -2), out=part)
+            if total is not None:
+                torch.sum(part, 1, out=total[c0:c1])
+            part.view(c1 - c0, -1).index_fill_(1, never, neg_inf)
+            # segment (i, c): row i, columns c g .. c g + g - 1 (contiguous in memory)
+            pooled = _run_max(part.view(-1, t), g).view(c1 - c0, b, t, ns)
+            torch.where(excluded, minus_inf, pooled, out=seg_max[c0 - g0:c1 - g0])
+        rows = slice(g0 * b, g1 * b)
+        v[rows], i_sel[rows], j_sel[rows] = _descend(sims.view(-1), seg_max, k, g, rp)
+    if total is not None:
+        total.diagonal(dim1=1, dim2=2).zero_()
+    if sort:
+        v, order = v.sort(dim=-1, descending=True, stable=True)
+        i_sel, j_sel = i_sel.gather(1, order), j_sel.gather(1, order)
+
+    def by_window(x):  # [L H B, k] -> [B, L, H, k]
+        return x.view(n_l, n_h, b, k).permute(2, 0, 1, 3).contiguous()
+
+    result = by_window(v), by_window(i_sel), by_window(j_sel)
+    if total is None:
+        return result
+    return (*result, total.view(n_l, n_h, t, t))
+
+
+def _descend(flat: torch.Tensor, seg_max: torch.Tensor, k: int, g: int, rp: int):
+    """Step 3 of :func:`top_pairs` for the matrices of one group.
+
+    ``flat``: their masked products, ``N T T`` numbers; ``seg_max`` ``[.., T, ns]``: the
+    maxima of their segments of ``g`` columns (``-inf`` when excluded); ``rp`` segments
+    per row part. Returns (values, i, j), each [N, k], in no particular order.
+    """
+    t, ns = seg_max.shape[-2], seg_max.shape[-1]
+    n = seg_max.numel() // (t * ns)
+    dev = flat.device
+    neg_inf = float("-inf")
+    part_max = seg_max.reshape(n, t * ns // rp, rp).amax(2)  # [N, T ns / rp]
 
     def keep(values, m):
         return values.topk(min(m, values.shape[1]), dim=-1, sorted=False)
@@ -782,7 +818,7 @@ def top_pairs(
         """Children of ``parent`` [N, m] (per-matrix index of a run of ``width`` in data)."""
         per = data.numel() // (n * width)  # runs per matrix
         runs = torch.arange(0, n * per, per, device=dev)[:, None] + parent
-        return data.view(-1, width).index_select(0, runs.view(-1)).view(n, -1, width)
+        return data.reshape(-1, width).index_select(0, runs.view(-1)).view(n, -1, width)
 
     def split(x, m):  # (x // m, x % m); shifts for powers of two (int64 division is slow)
         if m & (m - 1) == 0:
@@ -811,18 +847,7 @@ def top_pairs(
         unit_j = unit_j.gather(1, parent) + r * sub
         values = children(values, sub, pos)  # [N, m, sub]
         size = sub
-    v, i_sel, j_sel = val, unit_i, unit_j
-    if sort:
-        v, order = v.sort(dim=-1, descending=True, stable=True)
-        i_sel, j_sel = i_sel.gather(1, order), j_sel.gather(1, order)
-
-    def by_window(x):  # [L H B, k] -> [B, L, H, k]
-        return x.view(n_l, n_h, b, k).permute(2, 0, 1, 3).contiguous()
-
-    result = by_window(v), by_window(i_sel), by_window(j_sel)
-    if total is None:
-        return result
-    return (*result, total.view(n_l, n_h, t, t))
+    return val, unit_i, unit_j
 
 
 @dataclass
