@@ -152,7 +152,10 @@ def _connected_by_flood_fill(image: np.ndarray, markers: np.ndarray) -> bool:
 @pytest.mark.parametrize("kwargs", [{"size": 32, "contour_length": 14},
                                     {"size": 20, "contour_length": 6, "num_distractors": 3},
                                     {"size": 24, "contour_length": 9, "num_distractors": 4,
-                                     "max_turn": math.pi / 3}])
+                                     "max_turn": math.pi / 3},
+                                    {"size": 10, "contour_length": 3, "num_distractors": 0,
+                                     "paddle_length": 1.5, "marker_radius": 1.0,
+                                     "path_intensity": 0.4}])
 def test_pathfinder_labels_match_flood_fill(kwargs):
     data = pathfinder.generate(60, seed=7, **kwargs)
     size = kwargs["size"]
@@ -183,6 +186,27 @@ def test_pathfinder_deterministic_quantised_and_sequences():
     assert seq.shape == (6, 400) and seq.dtype == torch.long
     assert int(seq.min()) >= 0 and int(seq.max()) <= 255
     assert torch.equal(seq.reshape(6, 20, 20), torch.round(a.images * 255).long())
+
+
+def test_pathfinder_dim_paths_give_markers_their_own_token():
+    # paths at 0.4 peak intensity, markers at 1: with 3 levels only marker cores are token 2
+    kw = {"size": 10, "contour_length": 3, "num_distractors": 0, "paddle_length": 1.5,
+          "marker_radius": 1.0}
+    dim = pathfinder.generate(40, seed=3, path_intensity=0.4, **kw)
+    full = pathfinder.generate(40, seed=3, **kw)
+    assert torch.equal(dim.labels, full.labels) and torch.equal(dim.markers, full.markers)
+    assert torch.equal(dim.images > 0, full.images > 0)  # same ink, dimmer paths
+    tokens = pathfinder.to_sequences(dim.images, levels=3).reshape(dim.images.shape)
+    v8 = torch.round(dim.images * 255).long()
+    assert torch.equal(tokens, (v8 > 0).long() + (v8 > 127).long())  # ceil(2 v / 255)
+    for img_tokens, markers in zip(tokens, dim.markers):
+        bright = torch.nonzero(img_tokens == 2)
+        assert len(bright) > 0
+        # every token-2 pixel lies within 2 pixels of a marker centre pixel
+        near = (bright[:, None, :] - markers[None, :, :]).abs().amax(-1).amin(-1)
+        assert int(near.max()) <= 2
+        assert all(int(img_tokens[tuple(m)]) == 2 for m in markers)
+    assert int(pathfinder.to_sequences(full.images, levels=2).max()) == 1
 
 
 def test_best_threshold_accuracy_matches_brute_force():
@@ -219,6 +243,10 @@ def test_pathfinder_validates():
         pathfinder.generate(1, seed=0, size=10, contour_length=30, max_attempts=2)
     with pytest.raises(ValueError, match="images"):
         pathfinder.to_sequences(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="levels"):
+        pathfinder.to_sequences(torch.zeros(1, 3, 3), levels=1)
+    with pytest.raises(ValueError, match="path_intensity"):
+        pathfinder.generate(2, seed=0, path_intensity=0.0)
 
 
 # ------------------------------------------------------------------------------ loaders

@@ -119,7 +119,7 @@ def _dilate(mask: np.ndarray) -> np.ndarray:
 
 
 def _grow_snake(rng, canvas, blocked, n_paddles, paddle_length, gap, max_turn, padding,
-                marker_radius, marked_ends, tries_per_paddle=12):
+                marker_radius, marked_ends, path_intensity=1.0, tries_per_paddle=12):
     """Try to draw one snake avoiding ``blocked``; return (ink, ends) or None.
 
     Points are plain ``(x, y)`` floats: the canvas is tiny, so per-call numpy overhead,
@@ -152,7 +152,7 @@ def _grow_snake(rng, canvas, blocked, n_paddles, paddle_length, gap, max_turn, p
             rs, cs, val = canvas.segment(p, q)
             if (blocked[rs, cs] & (val > 0)).any():
                 continue
-            ink[rs, cs] = np.maximum(ink[rs, cs], val)
+            ink[rs, cs] = np.maximum(ink[rs, cs], path_intensity * val)
             heading, pos, end = h, q, q
             placed = True
             break
@@ -170,7 +170,7 @@ def _grow_snake(rng, canvas, blocked, n_paddles, paddle_length, gap, max_turn, p
 
 def _draw_image(rng, label, *, size, contour_length, distractor_length, num_distractors,
                 paddle_length, paddle_gap, max_turn, padding, marker_radius, canvas,
-                snake_tries=60):
+                path_intensity=1.0, snake_tries=60):
     """One image with the requested label, or None if the canvas got too crowded."""
     image = np.zeros((size, size))
     occupied = np.zeros((size, size), dtype=bool)
@@ -183,7 +183,7 @@ def _draw_image(rng, label, *, size, contour_length, distractor_length, num_dist
         blocked = _dilate(occupied)
         for _ in range(snake_tries):
             drawn = _grow_snake(rng, canvas, blocked, length, paddle_length, paddle_gap,
-                                max_turn, padding, marker_radius, marked)
+                                max_turn, padding, marker_radius, marked, path_intensity)
             if drawn is not None:
                 break
         else:
@@ -211,6 +211,7 @@ def generate(
     marker_radius: float = 1.5,
     max_turn: float = math.pi / 4,
     padding: float = 1.0,
+    path_intensity: float = 1.0,
     max_attempts: int = 200,
     device: str | torch.device | None = None,
 ) -> PathfinderSet:
@@ -235,6 +236,12 @@ def generate(
         Largest heading change between consecutive paddles, radians.
     padding : float
         Paddles keep this far from the border.
+    path_intensity : float
+        Peak intensity of the paddles, in (0, 1]; markers are drawn at 1. Below 1/2
+        the cores of the markers are the only pixels brighter than 1/2, so
+        ``to_sequences(images, levels=3)`` gives them a token of their own (a reduced
+        setting for small canvases, where a marker disc is hardly wider than a paddle).
+        Both classes hold two markers, so this says where the markers are, not the label.
     max_attempts : int
         Restarts allowed per image before giving up (ValueError).
     device : torch device or None
@@ -286,6 +293,8 @@ def generate(
         raise ValueError(f"max_turn: expected an angle in (0, pi], got {max_turn}")
     if padding < 0:
         raise ValueError(f"padding: expected >= 0, got {padding}")
+    if not (isinstance(path_intensity, (int, float)) and 0 < path_intensity <= 1):
+        raise ValueError(f"path_intensity: expected a number in (0, 1], got {path_intensity!r}")
 
     rng = np.random.default_rng(seed)
     labels = np.zeros(n, dtype=np.int64)
@@ -300,7 +309,8 @@ def generate(
                 rng, int(labels[i]), size=size, contour_length=contour_length,
                 distractor_length=distractor_length, num_distractors=num_distractors,
                 paddle_length=paddle_length, paddle_gap=paddle_gap, max_turn=max_turn,
-                padding=padding, marker_radius=marker_radius, canvas=canvas)
+                padding=padding, marker_radius=marker_radius, canvas=canvas,
+                path_intensity=path_intensity)
             if drawn is not None:
                 break
         else:
@@ -309,7 +319,10 @@ def generate(
                 f"{num_distractors} distractors on a {size}x{size} canvas; lower "
                 f"contour_length or num_distractors")
         image, marker_px = drawn
-        images[i] = np.round(image * 255.0) / 255.0
+        # every inked pixel keeps at least 1/255, so the image's ink is exactly the
+        # footprint the separation guarantee is about (dim paths would otherwise lose
+        # their faintest anti-aliased pixels to rounding)
+        images[i] = np.where(image > 0, np.maximum(np.round(image * 255.0), 1.0), 0.0) / 255.0
         markers[i] = np.asarray(marker_px)
     out = PathfinderSet(torch.from_numpy(images), torch.from_numpy(labels),
                         torch.from_numpy(markers))
@@ -319,11 +332,17 @@ def generate(
     return out
 
 
-def to_sequences(images: torch.Tensor) -> torch.Tensor:
-    """Flatten ``[n, H, W]`` images in [0, 1] row by row into int64 tokens 0..255.
+def to_sequences(images: torch.Tensor, levels: int = 256) -> torch.Tensor:
+    """Flatten ``[n, H, W]`` images in [0, 1] row by row into int64 tokens.
 
-    This is LRA's image input: each pixel's 8-bit intensity is a token (vocabulary 256).
+    With ``levels = 256`` (default) this is LRA's image input: each pixel's 8-bit
+    intensity ``v`` is a token (vocabulary 256). With fewer levels ``L`` the 8-bit
+    intensity is quantised to ``ceil(v (L - 1) / 255)``: 0 stays 0 (background) and
+    ``(0, 1]`` is cut into ``L - 1`` equal bins (vocabulary ``L``); e.g. ``L = 3``
+    separates ink up to half intensity from brighter ink.
     """
+    if not isinstance(levels, int) or isinstance(levels, bool) or not 2 <= levels <= 256:
+        raise ValueError(f"levels: expected an int in [2, 256], got {levels!r}")
     if not isinstance(images, torch.Tensor) or images.dim() != 3:
         raise ValueError(
             f"images: expected a [n, H, W] tensor, got "
@@ -336,6 +355,8 @@ def to_sequences(images: torch.Tensor) -> torch.Tensor:
         tokens = images.long()
         if tokens.min() < 0 or tokens.max() > 255:
             raise ValueError("images: expected integer intensities in 0..255")
+    if levels < 256:
+        tokens = (tokens * (levels - 1) + 254) // 255  # integer ceil(v (L - 1) / 255)
     return tokens.reshape(images.shape[0], -1)
 
 
