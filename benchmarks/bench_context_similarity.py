@@ -7,8 +7,9 @@ the same windows and weights (all-MiniLM-L6-v2, float32):
 - ``bare``: the baseline, the model as a user loads it without analysis
   (``AutoModel.from_pretrained`` with its default attention, SDPA), called as
   ``model(input_ids, attention_mask)`` batch by batch under ``inference_mode``;
-- ``bare_eager``: the same with eager attention (what the analysis needs for its
-  attention maps), for reference;
+- ``bare_eager``: the same with ``transformers``' eager attention (the computation whose
+  maps the analysis keeps; the analysis runs it window by window into a reused buffer);
+  the target is judged against the faster of the two bare runs;
 - ``full``: :func:`companion.context_similarity.analyse_corpus` (pre-W_O, the default);
 - ``post_wo``: the same with the post-W_O ablation.
 
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
         f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch {bs}, "
         f"{torch.get_num_threads()} torch threads, best of {repeats}. Baseline `bare`: the "
         f"model as loaded without analysis (default attention: {attn_default}); "
-        "`bare_eager`: eager attention, as the analysis runs it. Load average (1 min) "
+        "`bare_eager`: transformers' eager attention. Load average (1 min) "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after.",
         "",
         "| run | best s (wall) | windows/s | ratio to fastest bare | best s (CPU) | "
