@@ -10,7 +10,9 @@ the same windows and weights (all-MiniLM-L6-v2, float32):
 - ``bare_eager``: the same with ``transformers``' eager attention (the computation whose
   maps the analysis keeps; the analysis runs it window by window into a reused buffer);
   the target is judged against the faster of the two bare runs;
-- ``full``: :func:`companion.context_similarity.analyse_corpus` (pre-W_O, the default);
+- ``full``: :func:`companion.context_similarity.analyse_corpus` (pre-W_O, the default).
+  Its forward pass stops after the last layer's attention (that layer's W_O, feed-forward
+  block and the pooler feed no statistic), while ``bare`` runs the whole model;
 - ``post_wo``: the same with the post-W_O ablation.
 
 Runs alternate (bare, bare_eager, full, post_wo, then the reverse order) to share the
@@ -115,6 +117,8 @@ def main(argv=None) -> int:
         "fastest_bare": fastest,
         "analysis_attention": ("eager, window by window into a reused buffer "
                                "(attention maps)"),
+        "analysis_forward": ("stops after the last layer's attention (its W_O, feed-forward "
+                             "and the pooler feed no statistic); bare runs the whole model"),
         "corpus": args.corpus,
         "windows": len(wins),
         "window_tokens": wins.length,
@@ -146,7 +150,9 @@ def main(argv=None) -> int:
         f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch {bs}, "
         f"{torch.get_num_threads()} torch threads, best of {repeats}. Baseline `bare`: the "
         f"model as loaded without analysis (default attention: {attn_default}); "
-        "`bare_eager`: transformers' eager attention. Load average (1 min) "
+        "`bare_eager`: transformers' eager attention. The analysis stops its forward "
+        "pass after the last layer's attention (the rest feeds no statistic); the bare "
+        "runs do the whole forward. Load average (1 min) "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after.",
         "",
         "| run | best s (wall) | windows/s | ratio to fastest bare | best s (CPU) | "

@@ -149,7 +149,14 @@ def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):
     with torch.no_grad():
         own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     output_attentions=True)
-    ho = head_outputs(model, batch)
+    ran = []
+    tail = cs.encoder_layers(model)[-1].intermediate.register_forward_hook(
+        lambda *args: ran.append(True))
+    try:
+        ho = head_outputs(model, batch)
+    finally:
+        tail.remove()
+    assert not ran  # the pass stops after the last attention: its feed-forward is not needed
     assert model.config._attn_implementation == "eager"
     torch.testing.assert_close(ho.attentions, torch.stack(own.attentions, 1), atol=1e-12,
                                rtol=0)
