@@ -234,6 +234,22 @@ def test_pathfinder_small_canvas_ink_does_not_give_the_label_away():
     assert shortcuts["marker to border"] < 0.62
 
 
+def test_distance_matched_subset_balances_every_distance():
+    data = pathfinder.generate(200, seed=2, size=10, contour_length=3, num_distractors=0,
+                               paddle_length=1.5, marker_radius=1.0)
+    idx = pathfinder.distance_matched_subset(data.markers, data.labels)
+    assert len(idx) > 40 and len(set(idx.tolist())) == len(idx)
+    dist = torch.round((data.markers[idx, 0] - data.markers[idx, 1]).float().norm(dim=1))
+    lab = data.labels[idx]
+    for value in dist.unique():
+        sel = dist == value
+        assert int(lab[sel].sum()) * 2 == int(sel.sum())  # as many positives as negatives
+    # on the subset the marker distance alone is at chance
+    assert pathfinder.best_threshold_accuracy(dist, lab) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="markers, labels"):
+        pathfinder.distance_matched_subset(data.markers[:, 0], data.labels)
+
+
 def test_pathfinder_validates():
     with pytest.raises(ValueError, match="paddle_gap"):
         pathfinder.generate(2, seed=0, paddle_gap=3.0)

@@ -388,6 +388,40 @@ def best_threshold_accuracy(feature: torch.Tensor, labels: torch.Tensor) -> floa
     return float(torch.maximum(correct, n - correct).max()) / n
 
 
+def distance_matched_subset(markers: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Indices of a subset in which both classes have the same marker-distance histogram.
+
+    The distance between the two marker pixels is rounded to whole pixels; for each
+    rounded distance the first ``min(#positives, #negatives)`` items of each class (in
+    index order) are kept. On the subset the marker distance alone scores exactly 1/2
+    at every threshold, so accuracy above 1/2 there needs more than the distance.
+
+    Parameters
+    ----------
+    markers : int tensor ``[n, 2, 2]`` (as :attr:`PathfinderSet.markers`).
+    labels : int tensor ``[n]`` of 0/1.
+
+    Returns
+    -------
+    int64 tensor of sorted indices into ``labels``.
+
+    Complexity: ``O(n log n)``.
+    """
+    if markers.dim() != 3 or markers.shape[1:] != (2, 2) or labels.shape != markers.shape[:1]:
+        raise ValueError(
+            f"markers, labels: expected shapes [n, 2, 2] and [n], got "
+            f"{tuple(markers.shape)} and {tuple(labels.shape)}")
+    dist = torch.round((markers[:, 0] - markers[:, 1]).to(torch.float64).norm(dim=1)).cpu()
+    labels = labels.cpu()
+    keep = []
+    for value in torch.unique(dist):
+        pos = torch.nonzero((dist == value) & (labels == 1)).flatten()
+        neg = torch.nonzero((dist == value) & (labels == 0)).flatten()
+        k = min(len(pos), len(neg))
+        keep += [pos[:k], neg[:k]]
+    return torch.sort(torch.cat(keep)).values if keep else torch.zeros(0, dtype=torch.int64)
+
+
 def shortcut_accuracies(data: PathfinderSet) -> dict:
     """Best one-threshold accuracies of cheap statistics that ignore connectivity.
 
