@@ -458,6 +458,11 @@ class _ForwardDone(Exception):
     """Raised by the last layer's hook: everything the analysis needs is captured."""
 
 
+# Stop the forward pass once the last layer's per-head context is captured (set False to
+# run the whole model, as benchmarks/bench_context_similarity.py does for comparison).
+_STOP_AFTER_LAST_ATTENTION = True
+
+
 @torch.no_grad()
 def _head_outputs_raw(model, tensors, workspace: dict | None = None,
                       content: torch.Tensor | None = None):
@@ -482,7 +487,7 @@ def _head_outputs_raw(model, tensors, workspace: dict | None = None,
     def make_hook(index):
         def hook(module, args):
             captured[index] = args[0]
-            if index == n_layers - 1:
+            if index == n_layers - 1 and _STOP_AFTER_LAST_ATTENTION:
                 raise _ForwardDone
 
         return hook
