@@ -30,7 +30,8 @@ an image that cannot be completed is restarted.
 
 Rendering: a pixel's intensity is ``clip((thickness/2 + antialias - d) / antialias, 0,
 1)`` with ``d`` the distance from the pixel centre to the nearest paddle (or to the
-marker centre minus ``marker_radius``), quantised to 8 bits like an image file.
+marker centre minus ``marker_radius``), times ``path_intensity`` for paddles (1 by
+default), quantised to 8 bits like an image file; an inked pixel keeps at least 1/255.
 
 Guarantee (what the tests check by a flood fill): the ink of one snake is 8-connected
 (the gap is bridged by the anti-aliased ends, which needs
