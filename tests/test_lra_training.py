@@ -164,28 +164,60 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
     assert double["test_accuracy"] == pytest.approx(single["test_accuracy"])
 
 
-def test_padded_sbm_path_matches_sbmattention_without_padding():
-    """The padding-aware composition equals companion.sbm.SBMAttention (output, density
-    and STE gradients) when nothing is padded and the same graph is sampled."""
+class _GatheredStraightThrough(torch.autograd.Function):
+    """Reference STE: ones forward, ``hardtanh(grad_A)`` to the gathered ``P_e``."""
+
+    @staticmethod
+    def forward(ctx, p_edges):
+        return torch.ones_like(p_edges)
+
+    @staticmethod
+    def backward(ctx, grad_mask):
+        return torch.nn.functional.hardtanh(grad_mask)
+
+
+def test_padded_sbm_layer_matches_a_gathered_composition():
+    """The classifier's padded SBM attention (SBMAttention with query_valid/key_valid:
+    sparse-product STE, nothing gathered per edge) equals an independent composition of
+    the public functions: memberships zeroed at padding, the same fastRG draw, P_e
+    gathered per edge ([E, k]), a per-edge STE and weighted edge attention -- output,
+    density and gradients, in float64."""
+    from companion.sbm import edge_attention, fastrg_sample, sbm_parameters
+
     torch.manual_seed(5)
     model = LRAClassifier(17, 16, 10, attention="sbm", num_clusters=8, dropout=0.0,
                           dtype=torch.float64)
     attn = model.blocks[0].attn
-    x = torch.randn(3, 16, 64, dtype=torch.float64)
-    valid = torch.ones(3, 16, dtype=torch.bool)
     b, n = 3, 16
+    x = torch.randn(b, n, 64, dtype=torch.float64)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[0, 11:], valid[2, 5:] = False, False
     q, k, v = (attn.qkv(x).reshape(b, n, 3, 2, 32).permute(2, 0, 3, 1, 4).unbind(0))
     results = []
-    for path in ("library", "composed"):
+    for path in ("library", "gathered"):
         attn.zero_grad()
         gen = torch.Generator().manual_seed(11)
         if path == "library":
-            y, density = attn.sbm(q, k, v, generator=gen)
+            y, density = attn.sbm(q, k, v, query_valid=valid, key_valid=valid, generator=gen)
         else:
-            y, density = attn._sbm_masked(q, k, v, valid, gen)
+            sbm = attn.sbm
+            q_mem, s, k_mem = sbm_parameters(q, k, sbm.cluster_embeddings, sbm.mlp)
+            keep = valid[:, None, :, None].to(q_mem.dtype)
+            q_mem, k_mem = q_mem * keep, k_mem * keep
+            group, query, key = edges = fastrg_sample(q_mem.detach(), s.detach(),
+                                                      k_mem.detach(), gen)
+            qs = (q_mem @ s).reshape(-1, n, 8)
+            p_edges = (qs[group, query] * k_mem.reshape(-1, n, 8)[group, key]).sum(-1)
+            weight = _GatheredStraightThrough.apply(p_edges)
+            y = edge_attention(q, k, v, edges, edge_weight=weight)
+            per_group = torch.zeros(b * 2, dtype=weight.dtype).index_add(0, group, weight)
+            lengths = valid.sum(1).to(weight.dtype)
+            density = per_group.reshape(b, 2) / (lengths * lengths)[:, None]
+            assert bool(valid.reshape(-1)[group // 2 * n + key].all())  # no padded key
         (y.square().sum() + density.sum()).backward(retain_graph=True)
         results.append((y.detach(), density.detach(),
                         attn.sbm.cluster_embeddings.grad.clone(),
                         attn.sbm.mlp[0].weight.grad.clone()))
+    assert float(results[0][0][2, :, 5:].abs().max()) == 0  # padded queries: zero rows
     for a, c in zip(*results):
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)

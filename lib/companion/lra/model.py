@@ -13,11 +13,9 @@ size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters.
 The attention of every block is either
 
 - ``"sbm"``: :class:`companion.sbm.SBMAttention` (memberships, fastRG edge list,
-  edge attention, straight-through estimator). With padding, the same computation is
-  composed here from ``companion.sbm``'s public functions with the memberships of
-  padding positions set to zero, so ``P_ij = 0`` there and no edge touches them; the
-  straight-through estimator is then :class:`_StraightThrough` on the sampled
-  ``P_e`` (gathered, ``O(E k)`` memory, where SBMAttention uses sparse products);
+  edge attention, straight-through estimator). Padding positions get zero memberships
+  (its ``query_valid`` / ``key_valid``), so ``P_ij = 0`` there and no edge touches them;
+  the cost stays linear in the sampled edges;
 - ``"dense"``: softmax attention over all non-padding keys (torch SDPA).
 
 Density of a head on one input is ``edges / (n_valid * m_valid)`` (1 for dense). A
@@ -33,22 +31,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from companion.sbm import SBMAttention, edge_attention, fastrg_sample, sbm_parameters
+from companion.sbm import SBMAttention
 
 ATTENTIONS = ("sbm", "dense")
-
-
-class _StraightThrough(torch.autograd.Function):
-    """Forward: ones (the sampled mask on its edges). Backward: ``hardtanh(grad_A)``
-    handed to the sampled edge probabilities ``P_e``, the paper's clipped STE."""
-
-    @staticmethod
-    def forward(ctx, p_edges):
-        return torch.ones_like(p_edges)
-
-    @staticmethod
-    def backward(ctx, grad_mask):
-        return F.hardtanh(grad_mask)
 
 
 class MultiHeadAttention(nn.Module):
@@ -93,35 +78,14 @@ class MultiHeadAttention(nn.Module):
             mask = None if valid is None else valid[:, None, None, :]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             density = torch.ones(b, self.heads, dtype=x.dtype, device=x.device)
-        elif valid is None or bool(valid.all()):
-            y, density, edges = self.sbm(q, k, v, generator=generator, return_edges=True)
-            self.last_edges = edges if self.record else None
         else:
-            y, density = self._sbm_masked(q, k, v, valid, generator)
+            if valid is not None and bool(valid.all()):
+                valid = None  # nothing to mask
+            y, density, edges = self.sbm(q, k, v, query_valid=valid, key_valid=valid,
+                                         generator=generator, return_edges=True)
+            self.last_edges = edges if self.record else None
         y = y.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
         return self.out(y), density
-
-    def _sbm_masked(self, q, k, v, valid, generator):
-        """SBMAttention's computation with padding positions given zero membership."""
-        sbm = self.sbm
-        q_mem, s, k_mem = sbm_parameters(q, k, sbm.cluster_embeddings, sbm.mlp)
-        keep = valid[:, None, :, None].to(q_mem.dtype)
-        q_mem, k_mem = q_mem * keep, k_mem * keep
-        edges = fastrg_sample(q_mem.detach(), s.detach(), k_mem.detach(), generator,
-                              duplicates=sbm.duplicates, self_loops=sbm.self_loops)
-        group, query, key = edges
-        h, kc = q.shape[1], q_mem.shape[-1]
-        qs = (q_mem @ s).reshape(-1, q.shape[2], kc)  # [B*H, n, k]
-        p_edges = (qs[group, query] * k_mem.reshape(-1, k.shape[2], kc)[group, key]).sum(-1)
-        weight = _StraightThrough.apply(p_edges)
-        y = edge_attention(q, k, v, edges, edge_weight=weight)
-        b = q.shape[0]
-        per_group = torch.zeros(b * h, dtype=weight.dtype, device=weight.device)
-        per_group = per_group.index_add(0, edges[0], weight)
-        lengths = valid.sum(1).to(weight.dtype)  # [B]
-        density = per_group.reshape(b, h) / (lengths * lengths)[:, None]
-        self.last_edges = edges if self.record else None
-        return y, density
 
 
 class EncoderBlock(nn.Module):
