@@ -221,6 +221,24 @@ def test_post_wo_contributions_sum_to_the_projection(minilm64):
 # ------------------------------------------------------------------ top pairs
 
 
+def _assert_top_pairs_are_brute_force(v, i, j, full, valid, k):
+    """``top_pairs``'s values and pairs against ``topk`` over the upper triangle of the
+    full similarity matrices with invalid tokens masked; returns each window's number of
+    valid pairs kept (at most k)."""
+    t = full.shape[-1]
+    iu, ju = torch.triu_indices(t, t, 1)
+    ok = valid[:, iu] & valid[:, ju]
+    ref = full[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf")).topk(k, dim=-1)
+    kept = []
+    for w in range(full.shape[0]):
+        kw = min(k, int(ok[w].sum()))
+        torch.testing.assert_close(v[w, ..., :kw], ref.values[w, ..., :kw])
+        assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
+        assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
+        kept.append(kw)
+    return kept
+
+
 @pytest.mark.parametrize("t,segment", [(128, 16), (128, 8), (37, 16), (24, 4), (24, 16),
                                        (10, 16)])
 def test_top_pairs_equal_brute_force(t, segment):
@@ -232,7 +250,6 @@ def test_top_pairs_equal_brute_force(t, segment):
     valid[1, t // 2:] = False
     metric = torch.randn(n_l, n_h, d, d, generator=gen, dtype=torch.float64)
     metric = metric @ metric.transpose(-1, -2)
-    iu, ju = torch.triu_indices(t, t, 1)
     for m in (None, metric):
         n_valid = int((valid[0].sum() * (valid[0].sum() - 1)) // 2)
         k = max(1, n_valid // 20)
@@ -240,13 +257,7 @@ def test_top_pairs_equal_brute_force(t, segment):
                                    return_sum=True)
         full = similarity_matrices(z, metric=m)
         torch.testing.assert_close(total, full.sum(0))
-        ok = valid[:, iu] & valid[:, ju]
-        ref = full[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf")).topk(k, dim=-1)
-        for w in range(b):
-            kw = min(k, int(ok[w].sum()))
-            torch.testing.assert_close(v[w, ..., :kw], ref.values[w, ..., :kw])
-            assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
-            assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
+        _assert_top_pairs_are_brute_force(v, i, j, full, valid, k)
         assert (i < j).all()
         # unsorted: the same pairs (as a set per matrix)
         v2, i2, j2 = top_pairs(z, valid, k, metric=m, segment=segment, sort=False)
@@ -269,17 +280,10 @@ def test_top_pairs_with_fewer_pairs_than_k(t, segment):
     valid[1, 2:9] = True  # 21 pairs inside one block
     valid[2, 1:t - 1] = True  # all but the ends
     k = 25
-    iu, ju = torch.triu_indices(t, t, 1)
     for m in (None, torch.eye(d).expand(n_l, n_h, d, d) * 2.0):
         v, i, j = top_pairs(z, valid, k, metric=m, segment=segment)
         full = similarity_matrices(z, metric=m)
-        ok = valid[:, iu] & valid[:, ju]
-        ref = full[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf")).topk(k, dim=-1)
-        for w in range(b):
-            kw = min(k, int(ok[w].sum()))
-            torch.testing.assert_close(v[w, ..., :kw], ref.values[w, ..., :kw])
-            assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
-            assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
+        for w, kw in enumerate(_assert_top_pairs_are_brute_force(v, i, j, full, valid, k)):
             assert v[w, ..., kw:].isneginf().all()
             assert valid[w, i[w, ..., :kw]].all() and valid[w, j[w, ..., :kw]].all()
 
