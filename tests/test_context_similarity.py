@@ -374,9 +374,8 @@ def _random_batch(seed, b=3, n_l=2, n_h=3, t=20, d=4, vocab=9):
     return BatchResult(z, attn, ids, sent, mask)
 
 
-@pytest.mark.parametrize("seed,percentile", [(0, 5.0), (1, 10.0), (2, 1.0)])
-def test_stats_equal_brute_force_reference(seed, percentile):
-    res = _random_batch(seed)
+def _stats_equal_to_reference(res, percentile):
+    """SimilarityStats over ``res`` against the brute-force reference; returns them."""
     seps = {"sep": 2, "comma": 4}
     stats = SimilarityStats(2, 3, 20, 9, percentile=percentile, attention_threshold=0.08,
                             separators=seps).update(res)
@@ -384,6 +383,13 @@ def test_stats_equal_brute_force_reference(seed, percentile):
     for name, value in stats.tensors().items():
         torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
                                    msg=lambda m, name=name: f"{name}: {m}")
+    return stats
+
+
+@pytest.mark.parametrize("seed,percentile", [(0, 5.0), (1, 10.0), (2, 1.0)])
+def test_stats_equal_brute_force_reference(seed, percentile):
+    res = _random_batch(seed)
+    stats = _stats_equal_to_reference(res, percentile)
     # attentions given per layer (as the model returns them) give the same sums
     per_layer = res._replace(attentions=tuple(res.attentions.unbind(1)))
     again = SimilarityStats(**stats.config()).update(per_layer)
@@ -391,20 +397,12 @@ def test_stats_equal_brute_force_reference(seed, percentile):
                                                  again.tensors().values()))
 
 
-
 @pytest.mark.parametrize("seed,percentile", [(3, 5.0), (4, 1.0)])
 def test_stats_equal_brute_force_when_all_windows_keep_the_same_k(seed, percentile):
     """Windows with equal numbers of content pairs (no per-window prefix to keep)."""
     res = _random_batch(seed)
     keep = torch.tensor([0, 2])  # same content tokens in both, no padding
-    res = BatchResult(*(x[keep] for x in res[:5]))
-    seps = {"sep": 2, "comma": 4}
-    stats = SimilarityStats(2, 3, 20, 9, percentile=percentile, attention_threshold=0.08,
-                            separators=seps).update(res)
-    ref = _reference_stats(res, percentile, 0.08, seps, 9)
-    for name, value in stats.tensors().items():
-        torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    _stats_equal_to_reference(BatchResult(*(x[keep] for x in res[:5])), percentile)
 
 
 def test_stats_on_hand_made_batch():
