@@ -174,7 +174,8 @@ def digits_standin(*, size: int = 32) -> TokenDataset:
     up = torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear",
                                          align_corners=False)[:, 0]
     tokens = torch.round(up.clamp(0, 1) * 255).long().reshape(len(images), -1)
+    shape = "8x8" if size == 8 else f"8x8 upsampled to {size}x{size}"
     return TokenDataset(
-        name=f"stand-in: scikit-learn digits upsampled to {size}x{size} (not CIFAR-10)",
+        name=f"stand-in: scikit-learn digits, {shape} (not CIFAR-10)",
         tokens=tokens, labels=torch.tensor(digits.target, dtype=torch.long),
         num_classes=10, vocab_size=256)
