@@ -30,20 +30,18 @@ it, and the load average is recorded. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from companion.context_similarity import analyse_corpus, default_model_path, load_encoder
 from companion.corpora import load_corpus, windows
+from results_io import write_results
 
 TARGET = 1.25
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def bare_forward(model, wins, batch_size):
@@ -160,8 +158,6 @@ def main(argv=None) -> int:
         "target": TARGET,
         "meets_target": ratio <= TARGET,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "context_similarity.json").write_text(json.dumps(result, indent=2))
     lines = [
         "# Context similarity: analysis over bare forward",
         "",
@@ -187,9 +183,7 @@ def main(argv=None) -> int:
               f"Target full/bare <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}. "
               f"With the whole forward (no early stop) the analysis costs {ratio_whole:.3f} "
               "times the bare forward."]
-    md = "\n".join(lines) + "\n"
-    (RESULTS / "context_similarity.md").write_text(md)
-    print(md)
+    write_results("context_similarity", result, "\n".join(lines) + "\n")
     return 0
 
 

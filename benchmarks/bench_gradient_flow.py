@@ -13,7 +13,6 @@ Writes benchmarks/results/gradient_flow.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 
 import statistics
@@ -30,8 +29,8 @@ sys.path.insert(0, str(HERE / "baselines"))
 from einsum_gradient_flow import einsum_step  # noqa: E402
 
 from companion import gradient_flow as gf  # noqa: E402
+from results_io import write_results  # noqa: E402
 
-RESULTS = HERE / "results"
 PAPER_STEPS = 4000  # T = 20, dt = 5e-3
 
 
@@ -164,8 +163,6 @@ def main():
         "memory": memory,
         "quick": args.quick,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gradient_flow.json").write_text(json.dumps(result, indent=2))
     lines = [
         "## gradient_flow: multi-head flow step, n=200, H=100, 10 paths (float64, OU)",
         "",
@@ -186,9 +183,7 @@ def main():
         for r in memory:
             b = "-" if r["baseline_mb"] is None else f"{r['baseline_mb']:.0f}"
             lines.append(f"| {r['n']} | {r['ours_mb']:.0f} | {b} | {r['dense_PHn2_mb']:.0f} |")
-    text = "\n".join(lines) + "\n"
-    (RESULTS / "gradient_flow.md").write_text(text)
-    print(text)
+    write_results("gradient_flow", result, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,22 +20,20 @@ Usage: ``.venv/bin/python benchmarks/bench_reachability.py [--quick]``. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from companion import masks as M
 from companion.reachability import order_structure
+from results_io import write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def make_mask(kind: str, n: int) -> torch.Tensor:
@@ -174,12 +172,7 @@ def main(argv=None):
         "target_n8192_total_seconds": sum(target.values()),
         "wall_seconds": time.perf_counter() - start_all,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reachability.json").write_text(json.dumps(report, indent=2))
-    md = _markdown(report)
-    (RESULTS / "reachability.md").write_text(md)
-    print()
-    print(md)
+    write_results("reachability", report, _markdown(report))
 
 
 def _fmt_time(seconds, lower_bound, limit):

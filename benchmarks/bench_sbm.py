@@ -44,13 +44,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from results_io import write_results
 
 HEADS, HEAD_DIM, CLUSTERS = 2, 32, 128
 # one thread per worker: this machine is shared, and OpenMP threads that spin-wait on an
 # oversubscribed CPU made every method up to 10x slower (and noisy) in trials
 THREADS = int(os.environ.get("BENCH_THREADS", "1"))
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,12 +351,7 @@ def main() -> None:
         "summary": summary,
         "wall_s": time.perf_counter() - started,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sbm.json").write_text(json.dumps(result, indent=1))
-    md = _markdown(result)
-    (RESULTS / "sbm.md").write_text(md)
-    print()
-    print(md)
+    write_results("sbm", result, _markdown(result))
 
 
 def _ok(res: dict) -> bool:

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import torch
+from results_io import RESULTS
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
