@@ -79,8 +79,6 @@ class MultiHeadAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             density = torch.ones(b, self.heads, dtype=x.dtype, device=x.device)
         else:
-            if valid is not None and bool(valid.all()):
-                valid = None  # nothing to mask
             y, density, edges = self.sbm(q, k, v, query_valid=valid, key_valid=valid,
                                          generator=generator, return_edges=True)
             self.last_edges = edges if self.record else None
