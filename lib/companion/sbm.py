@@ -280,7 +280,8 @@ def fastrg_sample(
         key = torch.empty_like(group)
         # step 2 in blocks of cells (bounded scratch) within blocks of groups (bounded
         # tables): keys by rejection from the uniform proposal where it accepts often
-        # enough (no table to build, one look-up per proposal), else by inverse-CDF search
+        # enough (a table of acceptance probabilities, one look-up per proposal), else by
+        # inverse-CDF search
         cells_per_group = n * kc
         per_block = max(1, _TABLE_BLOCK_ENTRIES // (m * kc))
         cells_per_step = max(kc, _DRAW_BLOCK * counts.numel() // max(num_edges, 1))
