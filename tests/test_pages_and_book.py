@@ -44,7 +44,7 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     assert "1 figure(s) in 1 chapter(s)." in index.split("## Demo chapter")[0]
     assert "scale `smoke`" in index
     report = pages.reproduction_report(p)
-    assert "| Demo chapter | 1 | 0 | 1 | fresh |" in report
+    assert "| Demo chapter | 1 | 0 | 0 | 1 | 0 | 0 | 0 | fresh |" in report
     assert "{ref}`demo-mean-small <demo-mean-small>`" in report
     assert "**not comparable**" in report
 

@@ -118,6 +118,62 @@ def test_judge_claim_rejects_inconsistent_input():
         prov.judge_claim(1.0, 5.0, None, "range")
 
 
+@pytest.mark.parametrize(
+    "paper, tol, kind, interval, verdict",
+    [
+        # "b ~ -1": the interval must lie within [-1.5, -0.5]
+        (-1.0, 0.5, "abs", (-1.2, -0.7), "reproduced"),
+        (-1.0, 0.5, "abs", (-0.6, -0.3), "inconclusive"),
+        (-1.0, 0.5, "abs", (-0.4, -0.1), "differs"),
+        ((0.2, 0.4), None, "range", (0.25, 0.35), "reproduced"),
+        ((0.2, 0.4), None, "range", (0.1, 0.5), "inconclusive"),
+        ((0.2, 0.4), None, "range", (0.41, 0.5), "differs"),
+        (0.342, None, "at_least", (0.35, 0.39), "reproduced"),
+        (0.342, None, "at_least", (0.33, 0.39), "inconclusive"),
+        (0.342, None, "at_least", (0.30, 0.34), "differs"),
+        (5.0, 1.0, "at_most", (5.5, 6.0), "reproduced"),
+        (5.0, 1.0, "at_most", (5.5, 6.5), "inconclusive"),
+        (100.0, 0.1, "rel", (95.0, 111.0), "inconclusive"),
+    ],
+)
+def test_judge_claim_with_interval(paper, tol, kind, interval, verdict):
+    lo, hi = interval
+    assert prov.judge_claim((lo + hi) / 2, paper, tol, kind, interval=interval) == verdict
+    # the interval decides, not the point: an inconclusive interval stays inconclusive
+    # whichever side of the threshold the point estimate lies on
+    assert prov.judge_claim(lo, paper, tol, kind, interval=interval) == verdict
+
+
+def test_judge_claim_interval_errors():
+    with pytest.raises(ValueError, match="interval"):
+        prov.judge_claim(0.5, 0.4, None, "at_least", interval=(0.6, 0.5))
+    with pytest.raises(ValueError, match="interval"):
+        prov.judge_claim(0.5, 0.4, None, "at_least", interval=(0.4, float("nan")))
+    with pytest.raises(ValueError, match="interval"):
+        prov.judge_claim(0.5, 0.4, None, "at_least", interval=0.1)
+    with pytest.raises(ValueError, match="interval"):
+        prov.judge_claim(True, "qualitative", None, "holds", interval=(0, 1))
+
+
+def test_check_reads_holds_or_fails_and_records_role(chapter):
+    rec = prov.claim("demo-beats-random", 0.42, paper=0.2, kind="at_least",
+                     interval=(0.38, 0.47), role="check", reference="this chapter",
+                     statement="Our segmenter beats random boundaries.")
+    saved = json.loads((chapter.output_dir / "claims" / "demo-beats-random.json").read_text())
+    assert saved["verdict"] == rec["verdict"] == "holds"
+    assert saved["role"] == "check" and saved["interval"] == [0.38, 0.47]
+    rec = prov.claim("demo-fails", 0.1, paper=0.2, kind="at_least", role="check",
+                     reference="this chapter", statement="A check that fails.")
+    assert rec["verdict"] == "fails"
+    with pytest.raises(ValueError, match="role"):
+        prov.claim("demo-x", 0.1, paper=0.2, kind="at_least", role="target",
+                   reference="this chapter", statement="s")
+    with pytest.raises(ValueError, match="threshold"):
+        prov.claim("demo-x", 0.1, kind="at_least", role="check",
+                   reference="this chapter", statement="s")
+    assert not (chapter.output_dir / "claims" / "demo-x.json").exists()
+
+
 def test_claim_is_recorded(chapter):
     rec = prov.claim("demo-mean", 0.31, paper=0.33, tolerance=0.05, kind="abs",
                      reference="Sec. 2", statement="Mean near one third.")

@@ -135,42 +135,63 @@ def _cell(value: Any) -> str:
     return describe_value(value).replace("|", "\\|")
 
 
+_PAPER_COLUMNS = ("reproduced", "differs", "inconclusive", "not comparable")
+_CHECK_COLUMNS = ("holds", "fails", "inconclusive")
+
+
+def claim_role(record: dict) -> str:
+    """"paper" or "check" (records written before roles existed are paper claims)."""
+    return record.get("role") or "paper"
+
+
 def reproduction_report(project) -> str:
     lines = [HEADER, "# Reproduction report", "",
-             "Every checked statement (claim) of every chapter, generated from the claim "
-             "records the chapters saved. *reproduced*: our measurement agrees with the paper "
-             "within the stated tolerance (or the stated property holds); *differs*: it does "
-             "not; *not comparable*: the paper gives no value we can compare with.", ""]
-    summary = ["| Chapter | reproduced | differs | not comparable | state |",
-               "|---|---|---|---|---|"]
+             "Every checked statement of every chapter, generated from the records the "
+             "chapters saved. A *paper claim* is a statement of the paper: *reproduced*, our "
+             "measurement agrees with the paper within the stated tolerance (or the stated "
+             "property holds); *differs*, it does not; *inconclusive*, the measurement's "
+             "interval straddles the threshold; *not comparable*, the paper gives no value we "
+             "can compare with. A *check* is our own statement (a target, an implementation "
+             "check, a statement of another source): it *holds* or *fails*, and is never "
+             "counted as a reproduction.", ""]
+    head = ["Chapter", *(f"paper: {c}" for c in _PAPER_COLUMNS),
+            *(f"check: {c}" for c in _CHECK_COLUMNS), "state"]
+    summary = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     details: list[str] = []
     totals: Counter = Counter()
     for name in project.toc_chapters():
         folder = project.assets(name) / "claims"
         claims = _load_sidecars(folder) if folder.exists() else []
         stale, _ = _run_state(project, name)
-        counts = Counter(c.get("verdict") for c in claims)
+        counts = Counter((claim_role(c), c.get("verdict")) for c in claims)
         totals.update(counts)
         title = chapter_title(project, name)
-        summary.append(f"| {title} | {counts['reproduced']} | {counts['differs']} | "
-                       f"{counts['not comparable']} | {'STALE' if stale else 'fresh'} |")
+        cells = [str(counts[("paper", v)]) for v in _PAPER_COLUMNS]
+        cells += [str(counts[("check", v)]) for v in _CHECK_COLUMNS]
+        summary.append(f"| {title} | " + " | ".join(cells)
+                       + f" | {'STALE' if stale else 'fresh'} |")
         details += [f"## {title}", ""]
         if not claims:
             details += ["No claims recorded for this chapter.", ""]
             continue
-        details += ["| Claim | Statement | Paper | Measured | Tolerance | Verdict |",
-                    "|---|---|---|---|---|---|"]
+        details += ["| Claim | Kind | Statement | Paper | Measured | Tolerance | Verdict |",
+                    "|---|---|---|---|---|---|---|"]
         for c in claims:
             tol = "" if c.get("tolerance") is None else _cell(c["tolerance"])
+            measured = _cell(c.get("measured"))
+            if c.get("interval") is not None:
+                measured += f" {_cell(tuple(c['interval']))}"
             details.append(
-                f"| {{ref}}`{c['id']} <{c['id']}>` | {_cell(c.get('statement', ''))} | "
+                f"| {{ref}}`{c['id']} <{c['id']}>` | {claim_role(c)} | "
+                f"{_cell(c.get('statement', ''))} | "
                 f"{_cell(c.get('paper') if c.get('paper') is not None else 'not available')}"
-                f" ({_cell(c.get('reference', ''))}) | {_cell(c.get('measured'))} | {tol} | "
+                f" ({_cell(c.get('reference', ''))}) | {measured} | {tol} | "
                 f"**{c.get('verdict')}** |"
             )
         details.append("")
-    summary.append(f"| **All** | {totals['reproduced']} | {totals['differs']} | "
-                   f"{totals['not comparable']} | |")
+    cells = [str(totals[("paper", v)]) for v in _PAPER_COLUMNS]
+    cells += [str(totals[("check", v)]) for v in _CHECK_COLUMNS]
+    summary.append("| **All** | " + " | ".join(cells) + " | |")
     return "\n".join(lines + summary + [""] + details) + "\n"
 
 

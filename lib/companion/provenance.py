@@ -32,7 +32,11 @@ from pathlib import Path
 from typing import Any
 
 SCALES = ("smoke", "ci", "paper")
-VERDICTS = ("reproduced", "differs", "not comparable")
+VERDICTS = ("reproduced", "differs", "inconclusive", "not comparable")
+# A check (our own target, an implementation check, another paper's statement) is judged
+# like a claim but reads holds / fails, and is never counted as a reproduction.
+CHECK_VERDICTS = {"reproduced": "holds", "differs": "fails", "inconclusive": "inconclusive"}
+ROLES = ("paper", "check")
 CLAIM_KINDS = ("holds", "abs", "rel", "range", "at_most", "at_least")
 _ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -442,56 +446,106 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
-def judge_claim(measured: Any, paper: Any, tolerance: Any, kind: str) -> str:
-    """The verdict of a claim: "reproduced", "differs" or "not comparable".
+def acceptance_region(paper: Any, tolerance: Any, kind: str) -> tuple[float, float]:
+    """The measured values ``[lo, hi]`` that agree with ``paper`` for a numeric ``kind``.
+
+    - "abs": ``[p - tol, p + tol]``; "rel": ``[p - tol |p|, p + tol |p|]``;
+    - "range": ``paper = (lo, hi)`` itself;
+    - "at_most": ``(-inf, p + tol]``; "at_least": ``[p - tol, inf)`` (tolerance optional).
+
+    >>> acceptance_region(-1.0, 0.5, "abs")
+    (-1.5, -0.5)
+    >>> acceptance_region(0.3, None, "at_least")
+    (0.3, inf)
+    """
+    if kind not in CLAIM_KINDS or kind == "holds":
+        raise ValueError(f"kind: expected one of {CLAIM_KINDS[1:]} (numeric), got {kind!r}")
+    if kind == "range":
+        if not (isinstance(paper, (tuple, list)) and len(paper) == 2
+                and all(_is_number(v) for v in paper)):
+            raise ValueError(f"paper: kind 'range' expects (lo, hi), got {paper!r}")
+        lo, hi = float(paper[0]), float(paper[1])
+        if lo > hi:
+            raise ValueError(f"paper: kind 'range' expects lo <= hi, got {paper!r}")
+        return lo, hi
+    if not _is_number(paper):
+        raise ValueError(f"paper: kind {kind!r} expects a number, got {paper!r}")
+    if kind in ("abs", "rel") and tolerance is None:
+        raise ValueError(f"tolerance: kind {kind!r} needs a tolerance")
+    tol = 0.0 if tolerance is None else float(tolerance)
+    if not tol >= 0:
+        raise ValueError(f"tolerance: expected a number >= 0, got {tolerance!r}")
+    p = float(paper)
+    if kind == "abs":
+        return p - tol, p + tol
+    if kind == "rel":
+        return p - tol * abs(p), p + tol * abs(p)
+    if kind == "at_most":
+        return -math.inf, p + tol
+    return p - tol, math.inf
+
+
+def _check_interval(interval: Any) -> tuple[float, float]:
+    if not (isinstance(interval, (tuple, list)) and len(interval) == 2):
+        raise ValueError(f"interval: expected (lo, hi), got {interval!r}")
+    if hasattr(interval[0], "item"):
+        interval = tuple(v.item() for v in interval)
+    if not all(_is_number(v) for v in interval) or float(interval[0]) > float(interval[1]):
+        raise ValueError(f"interval: expected finite numbers lo <= hi, got {interval!r}")
+    return float(interval[0]), float(interval[1])
+
+
+def judge_claim(measured: Any, paper: Any, tolerance: Any, kind: str,
+                interval: Any = None) -> str:
+    """The verdict of a claim: "reproduced", "differs", "inconclusive" or "not comparable".
 
     - paper == "not available" (or None): not comparable, we have no value to compare;
     - kind "holds": ``measured`` is a bool saying whether the statement holds;
-    - kind "abs": |measured - paper| <= tolerance;  "rel": <= tolerance * |paper|;
-    - kind "range": paper = (lo, hi) and lo <= measured <= hi;
-    - kind "at_most": measured <= paper + tolerance; "at_least": measured >= paper - tolerance.
+    - numeric kinds: ``measured`` agrees when it lies in :func:`acceptance_region`
+      ("abs": |measured - paper| <= tolerance; "rel": <= tolerance * |paper|; "range":
+      lo <= measured <= hi; "at_most": measured <= paper + tolerance; "at_least":
+      measured >= paper - tolerance).
+    - with ``interval = (lo, hi)`` (the uncertainty interval of ``measured``, e.g. a
+      bootstrap interval) the interval decides instead of the point: reproduced when it
+      lies inside the acceptance region, differs when it lies wholly outside, and
+      inconclusive when it straddles the region's boundary.
     A measurement that is NaN or infinite differs.
+
+    >>> judge_claim(-0.95, -1.0, 0.5, "abs", interval=(-1.1, -0.8))
+    'reproduced'
+    >>> judge_claim(0.36, 0.342, None, "at_least", interval=(0.33, 0.39))
+    'inconclusive'
     """
     if kind not in CLAIM_KINDS:
         raise ValueError(f"kind: expected one of {CLAIM_KINDS}, got {kind!r}")
     if paper is None or (isinstance(paper, str) and paper == "not available"):
         return "not comparable"
     if kind == "holds":
+        if interval is not None:
+            raise ValueError("interval: kind 'holds' takes no interval")
         if not isinstance(measured, bool):
             raise TypeError(f"measured: kind 'holds' expects a bool, got {type(measured).__name__}")
         return "reproduced" if measured else "differs"
     if isinstance(paper, str):
         raise ValueError(f"paper: kind {kind!r} needs a number or (lo, hi), got {paper!r}")
+    accept_lo, accept_hi = acceptance_region(paper, tolerance, kind)
     if not _is_number(measured):
         if isinstance(measured, float) or hasattr(measured, "item"):
             return "differs"
         raise TypeError(f"measured: kind {kind!r} expects a number, got {measured!r}")
+    if interval is not None:
+        lo, hi = _check_interval(interval)
+        if accept_lo <= lo and hi <= accept_hi:
+            return "reproduced"
+        if hi < accept_lo or lo > accept_hi:
+            return "differs"
+        return "inconclusive"
     m = float(measured)
-    if kind == "range":
-        if not (isinstance(paper, (tuple, list)) and len(paper) == 2):
-            raise ValueError(f"paper: kind 'range' expects (lo, hi), got {paper!r}")
-        lo, hi = float(paper[0]), float(paper[1])
-        return "reproduced" if lo <= m <= hi else "differs"
-    if not _is_number(paper):
-        raise ValueError(f"paper: kind {kind!r} expects a number, got {paper!r}")
-    p = float(paper)
-    tol = 0.0 if tolerance is None else float(tolerance)
-    if kind in ("abs", "rel") and tolerance is None:
-        raise ValueError(f"tolerance: kind {kind!r} needs a tolerance")
-    if tol < 0:
-        raise ValueError(f"tolerance: expected >= 0, got {tolerance!r}")
-    if kind == "abs":
-        ok = abs(m - p) <= tol
-    elif kind == "rel":
-        ok = abs(m - p) <= tol * abs(p)
-    elif kind == "at_most":
-        ok = m <= p + tol
-    else:  # at_least
-        ok = m >= p - tol
-    return "reproduced" if ok else "differs"
+    return "reproduced" if accept_lo <= m <= accept_hi else "differs"
 
 
-_ADMONITION_CLASS = {"reproduced": "tip", "differs": "warning", "not comparable": "note"}
+_ADMONITION_CLASS = {"reproduced": "tip", "differs": "warning", "inconclusive": "caution",
+                     "not comparable": "note", "holds": "tip", "fails": "warning"}
 
 
 def describe_value(value: Any) -> str:
@@ -505,7 +559,8 @@ def describe_value(value: Any) -> str:
 
 
 def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = None,
-          reference: str, kind: str, statement: str) -> dict[str, Any]:
+          reference: str, kind: str, statement: str, interval: Any = None,
+          role: str = "paper") -> dict[str, Any]:
     """Record a checked statement and show it on the chapter page.
 
     Parameters
@@ -513,11 +568,19 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
     claim_id : kebab-case id prefixed by the chapter prefix.
     measured : what we measured: a number, or a bool for kind "holds".
     paper : what the paper says: a number, a (lo, hi) tuple, "qualitative" (with kind
-        "holds"), or "not available" / None (verdict "not comparable").
+        "holds"), or "not available" / None (verdict "not comparable"). For a check, the
+        threshold we set ourselves.
     tolerance : for kinds "abs", "rel" (required), "at_most", "at_least" (optional slack).
     reference : where the paper says it (section / figure / theorem), or "this chapter".
     kind : "holds", "abs", "rel", "range", "at_most" or "at_least" (see judge_claim).
     statement : one sentence saying what is checked.
+    interval : optional ``(lo, hi)``, the uncertainty interval of ``measured`` (e.g. a
+        bootstrap over windows, paths or seeds). The verdict is then "inconclusive" when
+        the interval straddles the threshold (see :func:`judge_claim`).
+    role : "paper" (default), a statement of the paper: verdict reproduced / differs /
+        inconclusive / not comparable; or "check", our own statement (a target, an
+        implementation check, another paper's or a fact sheet's statement): verdict holds /
+        fails / inconclusive, never counted as a reproduction.
 
     Returns
     -------
@@ -529,23 +592,36 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         raise ValueError("reference: expected the section/figure of the paper, or 'this chapter'")
     if not isinstance(statement, str) or not statement.strip():
         raise ValueError("statement: expected one sentence saying what is checked")
+    if role not in ROLES:
+        raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
     if hasattr(measured, "item") and not isinstance(measured, (list, tuple)):
         measured = measured.item()
     if isinstance(paper, list):
         paper = tuple(paper)
-    verdict = judge_claim(measured, paper, tolerance, kind)
+    if interval is not None:
+        interval = _check_interval(interval)
+    verdict = judge_claim(measured, paper, tolerance, kind, interval=interval)
+    if role == "check":
+        if verdict == "not comparable":
+            raise ValueError("paper: a check needs the threshold it is judged against")
+        verdict = CHECK_VERDICTS[verdict]
     record = Record({
-        "id": claim_id, "type": "claim", "statement": _one_line(statement),
+        "id": claim_id, "type": "claim", "role": role, "statement": _one_line(statement),
         "reference": reference, "kind": kind, "paper": paper, "measured": measured,
-        "tolerance": tolerance, "verdict": verdict, **_provenance(chapter),
+        "interval": interval, "tolerance": tolerance, "verdict": verdict,
+        **_provenance(chapter),
     })
     atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
     paper_text = describe_value(paper if paper is not None else "not available")
     tol_text = "" if tolerance is None else f" · tolerance {describe_value(tolerance)}"
+    ci_text = "" if interval is None else f" (interval {describe_value(interval)})"
+    what = "Claim" if role == "paper" else "Check"
+    source = f"Paper ({reference})" if role == "paper" else f"Threshold ({reference})"
     markdown = (
-        f"```{{admonition}} Claim {claim_id}: {verdict}\n:class: {_ADMONITION_CLASS[verdict]}\n"
+        f"```{{admonition}} {what} {claim_id}: {verdict}\n"
+        f":class: {_ADMONITION_CLASS[verdict]}\n"
         f":name: {claim_id}\n\n{_one_line(statement)}\n\n"
-        f"Paper ({reference}): **{paper_text}** · measured: **{describe_value(measured)}**"
+        f"{source}: **{paper_text}** · measured: **{describe_value(measured)}**{ci_text}"
         f"{tol_text} · check: `{kind}`\n```\n"
     )
     _display_markdown(markdown)
