@@ -107,6 +107,7 @@ def check_number(
     min_open: bool = False,
     max_open: bool = False,
     finite: bool = True,
+    expected: str | None = None,
 ) -> float:
     """Check that ``value`` is a real number (not a bool) in the given range; return a float.
 
@@ -119,6 +120,8 @@ def check_number(
         ``max_open``.
     finite : reject NaN and infinities (default). NaN is always rejected when a bound is
         given, since it compares false with every bound.
+    expected : what the message says is expected, e.g. ``"a probability in [0, 1]"``
+        (default: built from the bounds, ``"a finite number >= 0"``).
 
     Returns
     -------
@@ -138,8 +141,9 @@ def check_number(
     ...
     ValueError: rate: expected a finite number >= 0, got nan
     """
-    kind = "a finite number" if finite else "a number"
-    expected = _range_text(kind, minimum, maximum, min_open, max_open)
+    if expected is None:
+        kind = "a finite number" if finite else "a number"
+        expected = _range_text(kind, minimum, maximum, min_open, max_open)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {expected}, got {describe(value)}")
     value = float(value)

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from companion._validate import check_device, check_int, check_number, check_tensor, describe
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 __all__ = [
@@ -53,14 +55,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
 def validate_mask(mask, name: str = "mask") -> torch.Tensor:
     """Check that ``mask`` is a non-empty square 2-D ``torch.bool`` tensor and return it.
 
@@ -69,10 +63,13 @@ def validate_mask(mask, name: str = "mask") -> torch.Tensor:
     TypeError
         If ``mask`` is not a tensor or not of dtype ``torch.bool``.
     ValueError
-        If ``mask`` is not square 2-D or has no rows.
+        If ``mask`` is not square 2-D, has no rows or is on the meta device (no values).
     """
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name}: expected a square 2-D bool tensor, got {type(mask).__name__}")
+        raise TypeError(f"{name}: expected a square 2-D bool tensor, got {describe(mask)}")
+    if mask.device.type == "meta":
+        raise ValueError(f"{name}: expected a square 2-D bool tensor with values, got one on "
+                         "the meta device")
     if mask.dim() != 2 or mask.shape[0] != mask.shape[1]:
         raise ValueError(
             f"{name}: expected a square 2-D bool tensor, got shape {tuple(mask.shape)}"
@@ -85,7 +82,7 @@ def validate_mask(mask, name: str = "mask") -> torch.Tensor:
 
 
 def _grid(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.arange(n, device=device)
+    idx = torch.arange(n, device=check_device("device", device))
     return idx[:, None], idx[None, :]
 
 
@@ -95,7 +92,7 @@ def causal(n: int, *, device=None) -> torch.Tensor:
 
     Returns an ``(n, n)`` bool tensor. Complexity: O(n^2) memory and time.
     """
-    _check_int("n", n, 1)
+    check_int("n", n, 1)
     q, k = _grid(n, device)
     return k <= q
 
@@ -107,8 +104,8 @@ def sliding_window(n: int, width: int, *, device=None) -> torch.Tensor:
     sees ``L (width - 1)`` positions back, so the limit is the causal mask, reached after
     ``ceil((n - 1) / (width - 1))`` layers (for ``width >= 2``).
     """
-    _check_int("n", n, 1)
-    _check_int("width", width, 1)
+    check_int("n", n, 1)
+    check_int("width", width, 1)
     q, k = _grid(n, device)
     return (q - k >= 0) & (q - k < width)
 
@@ -119,8 +116,8 @@ def block_causal(n: int, block: int, *, device=None) -> torch.Tensor:
     Blocks are ``[0, block), [block, 2 block), ...``; the last may be shorter.
     ``M[q, k] = k // block <= q // block``.
     """
-    _check_int("n", n, 1)
-    _check_int("block", block, 1)
+    check_int("n", n, 1)
+    check_int("block", block, 1)
     q, k = _grid(n, device)
     return (k // block) <= (q // block)
 
@@ -132,7 +129,7 @@ def chain(n: int, *, device=None) -> torch.Tensor:
     the worst case for depth: information from position 0 needs ``n - 1`` layers to reach
     position ``n - 1``.
     """
-    _check_int("n", n, 1)
+    check_int("n", n, 1)
     q, k = _grid(n, device)
     return k == q - 1
 
@@ -142,8 +139,8 @@ def prefix_lm(n: int, prefix: int, *, device=None) -> torch.Tensor:
 
     ``M[q, k] = (k < prefix) or (k <= q)``.
     """
-    _check_int("n", n, 1)
-    _check_int("prefix", prefix, 0)
+    check_int("n", n, 1)
+    check_int("prefix", prefix, 0)
     if prefix > n:
         raise ValueError(f"prefix: expected 0 <= prefix <= n = {n}, got {prefix}")
     q, k = _grid(n, device)
@@ -152,8 +149,8 @@ def prefix_lm(n: int, prefix: int, *, device=None) -> torch.Tensor:
 
 def bidirectional(n: int, *, device=None) -> torch.Tensor:
     """Full (encoder) mask: every query attends every key."""
-    _check_int("n", n, 1)
-    return torch.ones(n, n, dtype=torch.bool, device=device)
+    check_int("n", n, 1)
+    return torch.ones(n, n, dtype=torch.bool, device=check_device("device", device))
 
 
 def random_mask(
@@ -165,15 +162,17 @@ def random_mask(
     that ``n = 8192`` needs no ``n x n`` float buffer. A ``generator`` must live on
     ``device`` (CPU by default).
     """
-    _check_int("n", n, 1)
-    if not (isinstance(p, (int, float)) and 0.0 <= float(p) <= 1.0):
-        raise ValueError(f"p: expected a probability in [0, 1], got {p!r}")
+    check_int("n", n, 1)
+    p = check_number("p", p, minimum=0.0, maximum=1.0, expected="a probability in [0, 1]")
+    device = check_device("device", device)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {describe(generator)}")
     out = torch.empty(n, n, dtype=torch.bool, device=device)
     chunk = max(1, (1 << 22) // n)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         out[start:stop] = (
-            torch.rand(stop - start, n, generator=generator, device=device) < float(p)
+            torch.rand(stop - start, n, generator=generator, device=device) < p
         )
     out.fill_diagonal_(False)
     return out
@@ -202,7 +201,16 @@ def xlnet_two_stream(order: Sequence[int] | torch.Tensor, *, device=None) -> Two
     ``rank[j] <= rank[i]`` (itself included) and the query stream of token ``i`` sees
     contents with ``rank[j] < rank[i]`` (never its own token) :cite:`yang2019xlnet`.
     """
-    order_t = torch.as_tensor(order, dtype=torch.long, device=device)
+    device = check_device("device", device)
+    try:
+        order_t = torch.as_tensor(order)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"order: expected a permutation of 0..n-1, got {describe(order)}") from exc
+    check_tensor("order", order_t)
+    if order_t.is_floating_point() or order_t.is_complex() or order_t.dtype == torch.bool:
+        # a float would be truncated to a position silently
+        raise TypeError(f"order: expected integer positions, got dtype {order_t.dtype}")
+    order_t = order_t.to(device=device, dtype=torch.long)
     if order_t.dim() != 1 or order_t.numel() == 0:
         raise ValueError(
             f"order: expected a non-empty 1-D permutation, got shape {tuple(order_t.shape)}"
@@ -234,8 +242,8 @@ def block_two_stream_mask(n: int, block: int, *, device=None) -> torch.Tensor:
     attends the content of earlier blocks and every mask token of its own block, never
     its own block's content.
     """
-    _check_int("n", n, 1)
-    _check_int("block", block, 1)
+    check_int("n", n, 1)
+    check_int("block", block, 1)
     c = ((n - 1) // block) * block
     size = c + n
     q, k = _grid(size, device)
@@ -257,7 +265,7 @@ def butterfly_layout(n: int) -> dict[str, range]:
     - ``predict``: ``n`` positions, the ``k``-th predicts token ``k`` from an aggregate of
       its neighbours' tokens.
     """
-    _check_int("n", n, 2)
+    check_int("n", n, 2)
     return {
         "forward": range(n - 1),
         "backward": range(n - 1, 2 * n - 2),
@@ -274,7 +282,7 @@ def butterfly_mask(n: int, *, device=None) -> torch.Tensor:
     the backward positions of tokens ``> k``. Its Hasse diagram is two chains running in
     opposite directions joined at the prediction nodes: a butterfly.
     """
-    _check_int("n", n, 2)
+    check_int("n", n, 2)
     size = 3 * n - 2
     q, k = _grid(size, device)
     f_end, b_end = n - 1, 2 * n - 2
@@ -318,7 +326,7 @@ def chain_mask_mod(b, h, q_idx, kv_idx):
 
 def sliding_window_mask_mod(width: int) -> MaskMod:
     """FlexAttention mask_mod of :func:`sliding_window` with window ``width``."""
-    _check_int("width", width, 1)
+    check_int("width", width, 1)
 
     def sliding_window_mod(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < width)
@@ -328,7 +336,7 @@ def sliding_window_mask_mod(width: int) -> MaskMod:
 
 def block_causal_mask_mod(block: int) -> MaskMod:
     """FlexAttention mask_mod of :func:`block_causal` with block size ``block``."""
-    _check_int("block", block, 1)
+    check_int("block", block, 1)
 
     def block_causal_mod(b, h, q_idx, kv_idx):
         return (kv_idx // block) <= (q_idx // block)
@@ -338,7 +346,7 @@ def block_causal_mask_mod(block: int) -> MaskMod:
 
 def prefix_lm_mask_mod(prefix: int) -> MaskMod:
     """FlexAttention mask_mod of :func:`prefix_lm` with ``prefix`` visible keys."""
-    _check_int("prefix", prefix, 0)
+    check_int("prefix", prefix, 0)
 
     def prefix_lm_mod(b, h, q_idx, kv_idx):
         return (kv_idx < prefix) | (kv_idx <= q_idx)
@@ -348,8 +356,8 @@ def prefix_lm_mask_mod(prefix: int) -> MaskMod:
 
 def block_two_stream_mask_mod(n: int, block: int) -> MaskMod:
     """FlexAttention mask_mod of :func:`block_two_stream_mask` (sequence length ``c + n``)."""
-    _check_int("n", n, 1)
-    _check_int("block", block, 1)
+    check_int("n", n, 1)
+    check_int("block", block, 1)
     c = ((n - 1) // block) * block
 
     def block_two_stream_mod(b, h, q_idx, kv_idx):
@@ -367,7 +375,7 @@ def block_two_stream_mask_mod(n: int, block: int) -> MaskMod:
 
 def butterfly_mask_mod(n: int) -> MaskMod:
     """FlexAttention mask_mod of :func:`butterfly_mask` (sequence length ``3n - 2``)."""
-    _check_int("n", n, 2)
+    check_int("n", n, 2)
     f_end, b_end = n - 1, 2 * n - 2
 
     def butterfly_mod(b, h, q_idx, kv_idx):
@@ -389,7 +397,9 @@ def butterfly_mask_mod(n: int) -> MaskMod:
 
 def dense_from_mask_mod(mod: MaskMod, size: int, *, device=None) -> torch.Tensor:
     """Evaluate a ``mask_mod`` on the full ``(size, size)`` grid (batch 0, head 0)."""
-    _check_int("size", size, 1)
+    check_int("size", size, 1)
+    if not callable(mod):
+        raise TypeError(f"mod: expected a mask_mod(b, h, q_idx, kv_idx), got {describe(mod)}")
     q, k = _grid(size, device)
     zero = torch.zeros((), dtype=torch.long, device=device)
     out = mod(zero, zero, q.expand(size, size), k.expand(size, size))

@@ -58,6 +58,7 @@ import networkx as nx
 import numpy as np
 import torch
 
+from companion._validate import check_bool, check_choice, check_int, describe
 from companion.masks import validate_mask
 
 __all__ = [
@@ -117,8 +118,7 @@ def reachability(mask: torch.Tensor, layers: int) -> torch.Tensor:
     Complexity: ``O(n^3 log(layers))`` flops by repeated squaring (stops early once the
     powers are stable).
     """
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-        raise ValueError(f"layers: expected an int >= 0, got {layers!r}")
+    layers = check_int("layers", layers, minimum=0)
     adj = layer_adjacency(mask)
     result = torch.eye(adj.shape[0], dtype=torch.bool, device=adj.device)
     power = adj  # A^(2^j)
@@ -144,8 +144,8 @@ def reachability_sequence(mask: torch.Tensor, max_layers: int | None = None) -> 
     (small ``n``): one product per layer.
     """
     adj = layer_adjacency(mask)
-    if max_layers is not None and (not isinstance(max_layers, int) or max_layers < 1):
-        raise ValueError(f"max_layers: expected an int >= 1 or None, got {max_layers!r}")
+    if max_layers is not None:
+        max_layers = check_int("max_layers", max_layers, minimum=1)
     seq = [adj]
     while max_layers is None or len(seq) < max_layers:
         nxt = _bool_product(seq[-1], adj)
@@ -506,8 +506,7 @@ class OrderStructure(NamedTuple):
 
 
 def _resolve_method(mask: torch.Tensor, method: str) -> str:
-    if method not in _METHODS:
-        raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
+    check_choice("method", method, _METHODS)
     if method == "auto":
         return "bitset" if mask.device.type == "cpu" else "matmul"
     return method
@@ -544,6 +543,7 @@ def order_structure(
     """
     validate_mask(mask)
     method = _resolve_method(mask, method)
+    compute_depth = check_bool("compute_depth", compute_depth)
     if method == "bitset":
         closure = _closure_bitset(mask)
         r_np = _expand_reach(closure)
@@ -606,6 +606,10 @@ def tokens_reached(R: torch.Tensor, inputs) -> list[set[int]]:
     """For each position ``q`` the set of source tokens it can read through ``R``:
     the union of ``inputs[k]`` over ``k`` with ``R[q, k]``."""
     validate_mask(R, "R")
+    if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
+        raise TypeError(
+            f"inputs: expected a sequence of {R.shape[0]} token collections, got {describe(inputs)}"
+        )
     if len(inputs) != R.shape[0]:
         raise ValueError(f"inputs: expected {R.shape[0]} entries, got {len(inputs)}")
     r_np = R.cpu().numpy()
@@ -633,6 +637,8 @@ def format_members(members) -> str:
 def hasse_layout(graph: nx.DiGraph, *, key=None) -> dict:
     """Layered top-down layout: sources at the top, each node one row below its lowest
     cover, nodes in a row ordered by ``key(node)`` (default: smallest member)."""
+    if not isinstance(graph, nx.DiGraph):
+        raise TypeError(f"graph: expected a networkx.DiGraph, got {describe(graph)}")
     if key is None:
 
         def key(node):
@@ -682,6 +688,7 @@ def draw_hasse(
 
 def draw_mask(ax, mask: torch.Tensor, title: str | None = None, *, cmap="Blues"):
     """Heat map of a bool mask: rows = query (receiver) q, columns = key (source) k."""
+    validate_mask(mask)
     m = mask.detach().cpu().to(torch.float32).numpy()
     ax.imshow(m, cmap=cmap, vmin=0, vmax=1.25, interpolation="nearest")
     ax.set_xlabel("key k")

@@ -57,6 +57,7 @@ import torch
 
 from companion import masks as M
 from companion import reachability as RR
+from companion._validate import check_bool, check_int, check_number, describe
 
 __all__ = [
     "Task",
@@ -126,7 +127,9 @@ class Task:
 
     def permute(self, order: Sequence[int]) -> Task:
         """The same task with position ``i`` of the result = position ``order[i]`` here."""
-        order = [int(i) for i in order]
+        if isinstance(order, (str, bytes)) or not hasattr(order, "__iter__"):
+            raise TypeError(f"order: expected a sequence of positions, got {describe(order)}")
+        order = [check_int(f"order[{i}]", p, minimum=0) for i, p in enumerate(order)]
         if sorted(order) != list(range(self.n_positions)):
             raise ValueError(f"order: expected a permutation of 0..{self.n_positions - 1}")
         idx = torch.as_tensor(order, device=self.mask.device)
@@ -144,12 +147,16 @@ def _check_task(task, name="task"):
     return task
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
+def _task_list(tasks) -> list[Task]:
+    """``tasks`` as a non-empty list of Task (a single Task or a non-iterable is an error)."""
+    if isinstance(tasks, Task) or not hasattr(tasks, "__iter__"):
+        raise TypeError(f"tasks: expected a sequence of Task, got {describe(tasks)}")
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("tasks: expected at least one Task")
+    for i, t in enumerate(tasks):
+        _check_task(t, f"tasks[{i}]")
+    return tasks
 
 
 # --------------------------------------------------------------------- diagrams
@@ -174,11 +181,7 @@ def node_signatures(tasks: Sequence[Task]) -> tuple[list[nx.DiGraph], list[dict[
     Signatures are integers shared across ``tasks``: equal integers = equivalent nodes.
     Complexity: ``O(sum of diagram sizes)`` dictionary operations.
     """
-    tasks = list(tasks)
-    if not tasks:
-        raise ValueError("tasks: expected at least one Task")
-    for i, t in enumerate(tasks):
-        _check_task(t, f"tasks[{i}]")
+    tasks = _task_list(tasks)
     table: dict = {}
     graphs, sigs = [], []
     for task in tasks:
@@ -233,7 +236,8 @@ def minimal_merge(tasks: Sequence[Task], *, sparse: bool = False, name: str = ""
     ValueError
         If two equivalent positions carry different targets.
     """
-    tasks = list(tasks)
+    sparse = check_bool("sparse", sparse)
+    tasks = _task_list(tasks)
     graphs, sigs = node_signatures(tasks)
     rep: dict[int, tuple[int, int]] = {}  # signature -> (task, node) first seen
     first_pos: dict[int, tuple[int, int]] = {}
@@ -305,7 +309,7 @@ def autoregressive_family(n: int) -> list[Task]:
     every task that contains it. Token indices run to ``n``: the merged task has ``n``
     positions predicting tokens ``1..n`` (the usual next-token layout).
     """
-    n = _check_int("n", n, 1)
+    n = check_int("n", n, 1)
     return [
         Task(
             tuple((p,) for p in range(k)),
@@ -326,8 +330,8 @@ def block_generation_family(n: int, block: int) -> list[Task]:
     block ``k``, predicting it; mask tokens attend all content and each other (full
     connectivity inside the block), so they form one class. ``T_0`` has no content.
     """
-    n = _check_int("n", n, 1)
-    block = _check_int("block", block, 1)
+    n = check_int("n", n, 1)
+    block = check_int("block", block, 1)
     tasks = []
     for k in range(math.ceil(n / block)):
         c = k * block
@@ -362,7 +366,7 @@ def bidirectional_family(n: int) -> list[Task]:
     the context is two chains rather than one bidirectional class, so that prefixes and
     suffixes are shared across tasks.
     """
-    n = _check_int("n", n, 2)
+    n = check_int("n", n, 2)
     tasks = []
     for k in range(n):
         f, b = k, n - 1 - k
@@ -431,9 +435,9 @@ def masked_language_model(
     chosen at random get a mask token (inputs ``()``) and predict their token; the mask is
     bidirectional. (The 80/10/10 replacement rule is left out: it does not change which
     tokens are supervised.)"""
-    n = _check_int("n", n, 1)
-    if not 0.0 < float(rate) <= 1.0:
-        raise ValueError(f"rate: expected a fraction in (0, 1], got {rate!r}")
+    n = check_int("n", n, 1)
+    rate = check_number("rate", rate, minimum=0.0, maximum=1.0, min_open=True,
+                        expected="a fraction in (0, 1]")
     count = max(1, round(rate * n))
     chosen = set(torch.randperm(n, generator=generator)[:count].tolist())
     return Task(
@@ -449,7 +453,7 @@ def leaky_bidirectional(n: int) -> Task:
     is bidirectional with an empty diagonal. The residual connection carries each
     position's own input to its output, so an empty diagonal stops nothing: every
     position leaks, at every depth."""
-    n = _check_int("n", n, 2)
+    n = check_int("n", n, 2)
     mask = M.bidirectional(n) & ~torch.eye(n, dtype=torch.bool)
     return Task(tuple((p,) for p in range(n)), tuple(range(n)), mask, "zero-diagonal BERT")
 
@@ -459,6 +463,8 @@ def tokens_visible(task: Task, layers: int | None = None) -> list[set[int]]:
     """Tokens each position can read: through the limit ``R`` (``layers=None``) or
     through ``A^layers``."""
     _check_task(task)
+    if layers is not None:
+        layers = check_int("layers", layers, minimum=0)
     mask = task.mask.cpu()
     R = RR.reachability_limit(mask)[0] if layers is None else RR.reachability(mask, layers)
     return RR.tokens_reached(R, task.inputs)
