@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from companion._validate import check_choice, check_int, check_number, check_tensor, describe
+
 __all__ = [
     "Frozen",
     "OrnsteinUhlenbeck",
@@ -86,31 +88,21 @@ DEFAULT_DTYPE = torch.float64
 
 
 # --------------------------------------------------------------------------- helpers
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name}: expected a positive number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a positive finite number, got {value}")
-    return float(value)
+    return check_number(name, value, minimum=0.0, min_open=True,
+                        expected="a positive finite number")
+
+
+def _check_sign(sign) -> int:
+    sign = check_int("sign", sign, minimum=-1, maximum=1)
+    if sign == 0:
+        raise ValueError("sign: expected -1 (descent) or +1 (clustering), got 0")
+    return sign
 
 
 def _check_tokens(tokens) -> torch.Tensor:
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens: expected a torch.Tensor, got {type(tokens).__name__}")
-    if tokens.dim() != 3:
-        raise ValueError(
-            f"tokens: expected a 3-D tensor [paths, n, d], got shape {tuple(tokens.shape)}"
-        )
-    if not tokens.is_floating_point():
-        raise TypeError(f"tokens: expected a floating dtype, got {tokens.dtype}")
+    check_tensor("tokens", tokens, ndim=3, floating=True, finite=True,
+                 shape_text="[paths, n, d]")
     if tokens.shape[-1] < 2:
         raise ValueError(f"tokens: expected dimension d >= 2, got d = {tokens.shape[-1]}")
     if tokens.shape[1] < 1:
@@ -126,9 +118,9 @@ def _check_tokens(tokens) -> torch.Tensor:
 
 
 def _check_weights(weights, tokens: torch.Tensor | None = None) -> torch.Tensor:
-    if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"weights: expected a torch.Tensor, got {type(weights).__name__}")
-    if weights.dim() != 4 or weights.shape[-1] != weights.shape[-2]:
+    check_tensor("weights", weights, ndim=4, floating=True, finite=True,
+                 shape_text="[paths, heads, d, d]")
+    if weights.shape[-1] != weights.shape[-2]:
         raise ValueError(
             "weights: expected a 4-D tensor [paths, heads, d, d] of square matrices, "
             f"got shape {tuple(weights.shape)}"
@@ -162,6 +154,8 @@ def _check_weights(weights, tokens: torch.Tensor | None = None) -> torch.Tensor:
 def _factory(dtype, device):
     from companion.devices import resolve_device
 
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype: expected a floating torch.dtype or None, got {describe(dtype)}")
     return {"dtype": DEFAULT_DTYPE if dtype is None else dtype, "device": resolve_device(device)}
 
 
@@ -194,10 +188,9 @@ def octahedral_tokens(
     -------
     Tensor ``[n, 3]`` or ``[paths, n, 3]`` of unit vectors. Complexity O(paths n).
     """
-    n = _check_int("n", n, 1)
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
-        raise ValueError(f"noise: expected a float >= 0, got {noise!r}")
-    batch = () if paths is None else (_check_int("paths", paths, 1),)
+    n = check_int("n", n, 1)
+    noise = check_number("noise", noise, minimum=0.0)
+    batch = () if paths is None else (check_int("paths", paths, 1),)
     kw = _factory(dtype, device)
     vertices = torch.cat([torch.eye(3, **kw), -torch.eye(3, **kw)], 0)[[0, 3, 1, 4, 2, 5]]
     x = vertices[torch.arange(n, device=kw["device"]) % 6].expand(*batch, n, 3)
@@ -218,9 +211,9 @@ def uniform_sphere(
 
     Returns ``[n, d]`` (``paths=None``) or ``[paths, n, d]``. Complexity O(paths n d).
     """
-    n = _check_int("n", n, 1)
-    d = _check_int("d", d, 2)
-    batch = () if paths is None else (_check_int("paths", paths, 1),)
+    n = check_int("n", n, 1)
+    d = check_int("d", d, 2)
+    batch = () if paths is None else (check_int("paths", paths, 1),)
     x = torch.randn(*batch, n, d, generator=generator, **_factory(dtype, device))
     return x / x.norm(dim=-1, keepdim=True)
 
@@ -238,9 +231,9 @@ def initial_weights(
 
     Returns ``[paths, heads, d, d]`` symmetric matrices, independent over paths and heads.
     """
-    heads = _check_int("heads", heads, 1)
-    d = _check_int("d", d, 2)
-    paths = _check_int("paths", paths, 1)
+    heads = check_int("heads", heads, 1)
+    d = check_int("d", d, 2)
+    paths = check_int("paths", paths, 1)
     z = torch.randn(paths, heads, d, d, generator=generator, **_factory(dtype, device))
     return z + z.transpose(-1, -2)
 
@@ -253,6 +246,8 @@ def oscillating_target(t: torch.Tensor, d: int) -> torch.Tensor:
     [sin t, cos 2t, 2+1.5 cos(t+pi/4)]]``; d = 2: ``[[2+1.5 cos t, sin 2t],
     [sin 2t, 2-1.5 cos t]]``. Returns ``t.shape + (d, d)``.
     """
+    check_tensor("t", t, floating=True)
+    d = check_int("d", d, minimum=2, maximum=3)
     if d == 3:
         c, s = torch.cos, torch.sin
         rows = [
@@ -414,11 +409,23 @@ def step_quantities(
     if validate:
         _check_tokens(tokens)
         _check_weights(weights, tokens)
-        if sign not in (-1, 1):
-            raise ValueError(f"sign: expected -1 or +1, got {sign!r}")
+        sign = _check_sign(sign)
+        sigma = check_number("sigma", sigma, minimum=0.0)
         for name, mats in (("drift", drift), ("noise", noise)):
-            if mats is not None and (mats - mats.transpose(-1, -2)).abs().amax() > 1e-10 * (
-                    1 + mats.abs().amax()):
+            if mats is None:
+                continue
+            check_tensor(name, mats, ndim=(3, 4), floating=True, finite=True)
+            if tuple(mats.shape) not in (tuple(weights.shape), tuple(weights.shape[1:])):
+                raise ValueError(
+                    f"{name}: expected shape {tuple(weights.shape)} or "
+                    f"{tuple(weights.shape[1:])} like weights, got {tuple(mats.shape)}"
+                )
+            if mats.dtype != weights.dtype or mats.device != weights.device:
+                raise TypeError(
+                    f"{name}: expected dtype {weights.dtype} on {weights.device} like "
+                    f"weights, got {mats.dtype} on {mats.device}"
+                )
+            if (mats - mats.transpose(-1, -2)).abs().amax() > 1e-10 * (1 + mats.abs().amax()):
                 raise ValueError(f"{name}: expected symmetric matrices")
     P, n, d = tokens.shape
     H = weights.shape[1]
@@ -581,9 +588,8 @@ def simulate(
         )
     T = _check_positive("T", T)
     dt = _check_positive("dt", dt)
-    record_every = _check_int("record_every", record_every, 1)
-    if sign not in (-1, 1):
-        raise ValueError(f"sign: expected -1 or +1, got {sign!r}")
+    record_every = check_int("record_every", record_every, 1)
+    sign = _check_sign(sign)
     if isinstance(process, Oscillating) and tokens.shape[-1] not in (2, 3):
         raise ValueError(
             f"process: Oscillating is defined for d in (2, 3), got d = {tokens.shape[-1]}"
@@ -691,13 +697,20 @@ def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
     -------
     :class:`PowerLawFit`. Complexity O(n_boot k S).
     """
-    def as_array(a):  # torch tensors (any device) or array-likes, kept in float64
+    def as_array(name, a):  # torch tensors (any device) or array-likes, kept in float64
         if isinstance(a, torch.Tensor):
+            check_tensor(name, a)
             a = a.detach().to("cpu", torch.float64).numpy()
-        return np.asarray(a, dtype=np.float64)
+        try:
+            return np.asarray(a, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name}: expected numbers, got {describe(a)}") from exc
 
-    h = as_array(H).reshape(-1)
-    v = as_array(values)
+    level = check_number("level", level, minimum=0.0, maximum=1.0, min_open=True,
+                         max_open=True)
+    seed = check_int("seed", seed, minimum=0)
+    h = as_array("H", H).reshape(-1)
+    v = as_array("values", values)
     if h.size < 2 or np.any(h <= 0) or np.unique(h).size != h.size:
         raise ValueError(f"H: expected >= 2 distinct positive values, got {h.tolist()}")
     if v.ndim not in (1, 2) or v.shape[0] != h.size:
@@ -706,9 +719,7 @@ def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
         )
     if np.any(~np.isfinite(v)) or np.any(v <= 0):
         raise ValueError("values: expected finite positive numbers")
-    if not 0 < level < 1:
-        raise ValueError(f"level: expected a number in (0, 1), got {level}")
-    n_boot = _check_int("n_boot", n_boot, 1)
+    n_boot = check_int("n_boot", n_boot, 1)
     logh = np.log(h)
     mean = v if v.ndim == 1 else v.mean(1)
     a, b = _loglog_fit(logh, np.log(mean))
@@ -746,14 +757,13 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
     """
     from scipy.optimize import linear_sum_assignment
 
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise TypeError("x, y: expected torch tensors")
+    check_tensor("x", x)
+    check_tensor("y", y)
     if x.shape != y.shape or x.dim() < 2:
         raise ValueError(
             f"x, y: expected equal shapes [..., n, d], got {tuple(x.shape)} and {tuple(y.shape)}"
         )
-    if cost not in ("geodesic", "chordal"):
-        raise ValueError(f"cost: expected 'geodesic' or 'chordal', got {cost!r}")
+    check_choice("cost", cost, ("geodesic", "chordal"))
     xs = x.detach().to("cpu", torch.float64).reshape(-1, *x.shape[-2:]).numpy()
     ys = y.detach().to("cpu", torch.float64).reshape(-1, *y.shape[-2:]).numpy()
     out = np.empty(xs.shape[0])
@@ -770,6 +780,12 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
 
 
 def _spectral_norms(weights: torch.Tensor) -> torch.Tensor:
+    check_tensor("weights", weights, min_ndim=3, floating=True, finite=True,
+                 shape_text="[..., H, d, d]")
+    if weights.shape[-1] != weights.shape[-2]:
+        raise ValueError(
+            f"weights: expected square matrices [..., H, d, d], got shape {tuple(weights.shape)}"
+        )
     return torch.linalg.eigvalsh(weights).abs().amax(-1)
 
 
@@ -810,6 +826,18 @@ def gronwall_bound(times, lipschitz, initial_distance, forcing=None) -> torch.Te
     """
     times = torch.as_tensor(times)
     L = torch.as_tensor(lipschitz)
+    check_tensor("times", times, ndim=1, floating=True, finite=True)
+    check_tensor("lipschitz", L, min_ndim=1, floating=True, finite=True)
+    if times.numel() < 1 or L.shape[0] != times.shape[0]:
+        raise ValueError(
+            f"lipschitz: expected [R, ...] with R = {times.numel()} records like times, got "
+            f"shape {tuple(L.shape)}"
+        )
+    if forcing is not None and tuple(torch.as_tensor(forcing).shape[:1]) != (times.shape[0],):
+        raise ValueError(
+            f"forcing: expected [R, ...] with R = {times.numel()} records like times, got "
+            f"shape {tuple(torch.as_tensor(forcing).shape)}"
+        )
     dt = torch.diff(times).reshape(-1, *([1] * (L.dim() - 1)))
     cumL = torch.cat([torch.zeros_like(L[:1]), torch.cumsum(0.5 * (L[1:] + L[:-1]) * dt, 0)])
     bound = torch.exp(cumL) * initial_distance
@@ -825,6 +853,9 @@ def gronwall_bound(times, lipschitz, initial_distance, forcing=None) -> torch.Te
 
 def pairwise_inner_stats(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     """Min and mean of ``<x_i, x_j>`` over pairs ``i != j`` for tokens ``[..., n, d]``."""
+    check_tensor("tokens", tokens, min_ndim=2, floating=True, shape_text="[..., n, d]")
+    if tokens.shape[-2] < 2:
+        raise ValueError(f"tokens: expected n >= 2 tokens for pairs, got shape {tuple(tokens.shape)}")
     g = tokens @ tokens.transpose(-1, -2)
     n = tokens.shape[-2]
     off = ~torch.eye(n, dtype=torch.bool, device=tokens.device)
