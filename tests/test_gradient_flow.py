@@ -77,6 +77,153 @@ def test_one_step_matches_handwritten_reference(sign):
     np.testing.assert_allclose(gf.velocity(x, D, sign=sign).numpy(), ref["vel"], atol=1e-13)
 
 
+# ------------------------------------------------------------------ both dtypes
+def paper_target(t):
+    """The oscillating target F(t) for d = 3, entry by entry as the paper prints it."""
+    c, s = math.cos, math.sin
+    return np.array([[2 + 1.5 * c(t), s(2 * t), s(t)],
+                     [s(2 * t), 2 + 1.5 * s(t), c(2 * t)],
+                     [s(t), c(2 * t), 2 + 1.5 * c(t + math.pi / 4)]])
+
+
+def reference_drift(regime, D, t):
+    """f_h(D_h, t): OU ``I - D``, oscillating (identical phases) ``F(t) - D``."""
+    target = np.eye(D.shape[-1]) if regime == "ou" else paper_target(t)
+    return target - D
+
+
+REGIMES = {"ou": gf.OrnsteinUhlenbeck(sigma2=2.0), "oscillating": gf.Oscillating("identical")}
+# Relative to the largest reference value of each quantity. Measured worst on this CPU:
+# float64 6e-16 for one step and 1.3e-15 after four; float32 2.5e-7 and 6e-7 (a few
+# ulps). The bounds leave a factor of about 8 over float32 rounding, so a kernel that
+# loses precision in one dtype (a half-precision intermediate, unshifted exponentials)
+# or mixes dtypes fails.
+DTYPE_RTOL = {torch.float64: 1e-12, torch.float32: 5e-6}
+
+
+def assert_close_scaled(actual, reference, rtol, scale=None, what=""):
+    """``max |actual - reference| <= rtol * scale`` (default scale: ``max |reference|``)."""
+    actual = actual.detach().to(torch.float64).numpy()
+    reference = np.asarray(reference, dtype=np.float64)
+    assert actual.shape == reference.shape, what
+    scale = max(np.abs(reference).max(), 1e-300) if scale is None else scale
+    err = np.abs(actual - reference).max()
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:.1g} * {scale:.3g}"
+
+
+def state_in(dtype, n, H, seed=11, P=2, d=3):
+    """Tokens and weights rounded to ``dtype``; the reference reads the rounded values in
+    float64, so a difference is the kernel's, not the rounding of its inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = gf.uniform_sphere(n, d, g, paths=P).to(dtype)
+    x = x / x.norm(dim=-1, keepdim=True)
+    D = gf.initial_weights(H, d, g, paths=P).to(dtype)
+    return x, D
+
+
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("n, H", [(1, 1), (7, 1), (7, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, regime, path,
+                                                                monkeypatch):
+    if path == "chunked":
+        monkeypatch.setattr(gf, "_FLASH_CPU", None)
+        orig = gf._softmax_moments
+        monkeypatch.setattr(gf, "_softmax_moments",  # several row chunks, odd sizes
+                            lambda q, k, v: orig(q, k, v, max_chunk_elements=13))
+    x, D = state_in(dtype, n, H)
+    P, _, d = x.shape
+    dt, t, sign = 0.05, 0.7, -1
+    process = REGIMES[regime]
+    f = process.drift(D, t)
+    z = torch.randn(P, H, d, d, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    dW = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2 if process.sigma > 0 else None
+    q = gf.step_quantities(x, D, sign=sign, drift=f, sigma=process.sigma, noise=dW)
+    assert all(v.dtype == dtype for v in q.values())
+
+    x64, D64 = x.double().numpy(), D.double().numpy()
+    dW64 = np.zeros((P, H, d, d)) if dW is None else dW.double().numpy()
+    f64 = reference_drift(regime, D64, t)
+    ref, _ = reference_step(x64, D64, f64, process.sigma, dW64, dt, sign)
+    rtol = DTYPE_RTOL[dtype]
+    for key, rkey in (("energy", "E"), ("energy_rate", "rate"), ("slope_sq", "G2"),
+                      ("dissipation", "diss"), ("velocity", "vel")):
+        assert_close_scaled(q[key], ref[rkey], rtol, what=key)
+    if dW is None:
+        assert torch.all(q["martingale_increment"] == 0)
+    else:
+        assert_close_scaled(q["martingale_increment"], ref["dM"], rtol,
+                            what="martingale_increment")
+
+
+def reference_simulate(x, D, regime, sigma, noise, steps, dt, sign):
+    """float64 loop of the scheme: projected Euler for the tokens, Euler–Maruyama for the
+    weights, left-point integrals of G^2, D and dE/dt, the martingale summed over steps.
+
+    ``noise[k]`` is the symmetric increment dW of step k. Returns per-step records.
+    """
+    rec = {k: [] for k in ("x", "E", "rate", "G2", "diss", "intG", "intD", "intR", "M")}
+    acc = {k: np.zeros(x.shape[0]) for k in ("intG", "intD", "intR", "M")}
+    for k in range(steps + 1):
+        t = k * dt
+        f = reference_drift(regime, D, t)
+        dW = noise[k] if noise and k < steps else np.zeros_like(D)
+        out, x_next = reference_step(x, D, f, sigma, dW, dt, sign)
+        rec["x"].append(x)
+        for key in ("E", "rate", "G2", "diss"):
+            rec[key].append(out[key])
+        for key in acc:
+            rec[key].append(acc[key].copy())
+        if k == steps:
+            break
+        acc["intG"] += out["G2"] * dt
+        acc["intD"] += out["diss"] * dt
+        acc["intR"] += out["rate"] * dt
+        acc["M"] += out["dM"]
+        x, D = x_next, D + dt * f + sigma * dW
+    out = {k: np.stack(v) for k, v in rec.items()}
+    base = out["E"] - out["E"][:1] - out["intR"] - out["M"]
+    out["res_slope"] = base - sign * out["intG"]
+    out["res_diss"] = base + out["intD"]
+    return out, D
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("n, H", [(5, 1), (7, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_simulate_in_both_dtypes_matches_float64_reference(dtype, n, H, regime):
+    x, D = state_in(dtype, n, H, seed=12)
+    P, _, d = x.shape
+    steps, dt, sign, seed = 4, 0.05, -1, 5
+    process = REGIMES[regime]
+    traj = gf.simulate(x, D, process, T=steps * dt, dt=dt, sign=sign,
+                       generator=torch.Generator().manual_seed(seed))
+    # The same draws as simulate (one randn per step but the last, in its dtype).
+    draws = torch.Generator().manual_seed(seed)
+    noise = []
+    for _ in range(steps if process.sigma > 0 else 0):
+        z = torch.randn(P, H, d, d, generator=draws, dtype=dtype).double().numpy()
+        noise.append(math.sqrt(dt) * (z + z.transpose(0, 1, 3, 2)) / 2)
+    ref, D_final = reference_simulate(x.double().numpy(), D.double().numpy(), regime,
+                                      process.sigma, noise, steps, dt, sign)
+    rtol = DTYPE_RTOL[dtype]
+    assert traj.energy.dtype == dtype and traj.positions.dtype == dtype
+    np.testing.assert_allclose(traj.times.numpy(), dt * np.arange(steps + 1), rtol=1e-6)
+    assert_close_scaled(traj.positions, ref["x"], rtol, what="positions")
+    assert_close_scaled(traj.final_weights, D_final, rtol, what="final_weights")
+    energy_scale = np.abs(ref["E"]).max()
+    for key, rkey in (("energy", "E"), ("energy_rate", "rate"), ("slope_sq", "G2"),
+                      ("dissipation", "diss"), ("int_slope_sq", "intG"),
+                      ("int_dissipation", "intD"), ("int_energy_rate", "intR"),
+                      ("martingale", "M"), ("residual_slope", "res_slope"),
+                      ("residual_dissipation", "res_diss")):
+        # integrals, the martingale and residuals are differences of energy-sized terms
+        scale = None if key in ("energy", "energy_rate", "slope_sq", "dissipation") \
+            else energy_scale
+        assert_close_scaled(getattr(traj, key), ref[rkey], rtol, scale, what=key)
+
+
 def test_chunked_fallback_matches_fused_kernel(monkeypatch):
     g = torch.Generator().manual_seed(2)
     x = gf.uniform_sphere(17, 3, g, paths=2)
