@@ -42,11 +42,13 @@ from pathlib import Path
 
 import torch
 
+from companion._validate import check_bool, check_int, describe
 from companion.provenance import sha256_file
 
 __all__ = [
     "CORPORA",
     "Corpus",
+    "CorpusNotFoundError",
     "CorpusSpec",
     "Document",
     "Windows",
@@ -121,6 +123,8 @@ def data_dir(dest: str | os.PathLike | None = None) -> Path:
     this package lives in a source checkout, else ``~/.cache/companion/corpora``.
     """
     if dest is not None:
+        if not isinstance(dest, (str, os.PathLike)):
+            raise TypeError(f"dest: expected a path or None, got {describe(dest)}")
         return Path(dest).expanduser().resolve()
     env = os.environ.get("COMPANION_DATA_DIR")
     if env:
@@ -355,6 +359,9 @@ def install(
     dict
         name -> manifest (package, version, sha256, licence, documents, sentences, words).
     """
+    if isinstance(names, str):  # list("wiki") would be four unknown one-letter names
+        raise TypeError(f"names: expected an iterable of corpus names like ['{names}'], got "
+                        f"the str {names!r}")
     names = list(names)
     unknown = [n for n in names if n not in CORPORA]
     if unknown:
@@ -416,6 +423,30 @@ def install(
 # --------------------------------------------------------------------------- loading
 
 
+class CorpusNotFoundError(FileNotFoundError, ValueError):
+    """No installed corpus of that name and no such file or directory (nothing is
+    downloaded at run time)."""
+
+
+def _read_documents(path: Path, name: str) -> list[Document]:
+    """The documents of an installed ``documents.jsonl``; a line that is not a document
+    record (a truncated or edited file) is an error naming the file and the line."""
+    docs = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                rec = json.loads(line)
+                docs.append(Document(name=str(rec["name"]), sentences=list(rec["sentences"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f"name_or_path: {path} line {number} is not a document record "
+                    f"({type(exc).__name__}: {exc}); the installed corpus is damaged, "
+                    f"reinstall it with `python -m companion.corpora install --only {name} "
+                    "--force`"
+                ) from None
+    return docs
+
+
 def _missing_corpus_message(name: str, root: Path) -> str:
     return (
         f"corpus {name!r} is not installed in {root}. Install it once (needs network to "
@@ -445,10 +476,11 @@ def load_corpus(
 
     Raises
     ------
-    FileNotFoundError
+    CorpusNotFoundError (a FileNotFoundError and ValueError)
         Not installed / no such path, with instructions.
     ValueError
-        The corpus has no text.
+        The corpus has no text, or its installed ``documents.jsonl`` is damaged (the
+        message names the file and line).
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(
@@ -458,12 +490,8 @@ def load_corpus(
     if key in CORPORA:
         root = data_dir(dest)
         if not installed(key, root):
-            raise FileNotFoundError(_missing_corpus_message(key, root))
-        docs = []
-        with open(root / key / "documents.jsonl", encoding="utf-8") as fh:
-            for line in fh:
-                rec = json.loads(line)
-                docs.append(Document(name=rec["name"], sentences=rec["sentences"]))
+            raise CorpusNotFoundError(_missing_corpus_message(key, root))
+        docs = _read_documents(root / key / "documents.jsonl", key)
         corpus = Corpus(name=key, documents=docs, licence=CORPORA[key].licence)
     else:
         path = Path(name_or_path).expanduser()
@@ -472,7 +500,7 @@ def load_corpus(
         elif path.is_dir():
             files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         else:
-            raise FileNotFoundError(
+            raise CorpusNotFoundError(
                 f"name_or_path: {key!r} is neither an installed corpus name "
                 f"({', '.join(CORPORA)}) nor an existing file or directory"
             )
@@ -606,8 +634,12 @@ def windows(
 
     Raises
     ------
+    TypeError
+        ``corpus`` is not a Corpus, or ``length``, ``max_windows``, ``seed`` are not ints
+        (``cross_documents`` not a bool).
     ValueError
-        Empty corpus, ``length`` < 3 or above ``max_length``, or no complete window.
+        Empty corpus, ``length`` < 3 or above ``max_length``, ``max_windows`` < 1, or no
+        complete window.
 
     Complexity
     ----------
@@ -618,8 +650,7 @@ def windows(
         raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
     if not corpus.documents or corpus.n_sentences == 0:
         raise ValueError(f"corpus: {corpus.name!r} is empty (no documents with sentences)")
-    if not isinstance(length, int) or isinstance(length, bool) or length < 3:
-        raise ValueError(f"length: expected an int >= 3 ([CLS] + text + [SEP]), got {length!r}")
+    length = check_int("length", length, minimum=3)  # [CLS] + text + [SEP]
     if max_length is None:
         mml = getattr(tokenizer, "model_max_length", None)
         max_length = int(mml) if isinstance(mml, int) and mml < 1_000_000 else None
@@ -627,8 +658,11 @@ def windows(
         raise ValueError(
             f"length: {length} tokens exceeds the model's maximum input length {max_length}"
         )
-    if max_windows is not None and (not isinstance(max_windows, int) or max_windows < 1):
-        raise ValueError(f"max_windows: expected a positive int or None, got {max_windows!r}")
+    if max_windows is not None:
+        max_windows = check_int("max_windows", max_windows, minimum=1)
+    if seed is not None:
+        seed = check_int("seed", seed)
+    cross_documents = check_bool("cross_documents", cross_documents)
     cls_id = _special_id(tokenizer, "cls_token_id")
     sep_id = _special_id(tokenizer, "sep_token_id")
 

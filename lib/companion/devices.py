@@ -20,11 +20,18 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
     Raises
     ------
+    TypeError
+        If ``device`` is not a str, an int (a CUDA index), a torch.device or None.
     ValueError
         If ``device`` names CUDA but no CUDA device is available, or is not a device name.
     """
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(
+            f"device: expected one of {VALID_DEVICES}, 'cuda:N' or a torch.device, got "
+            f"{type(device).__name__}"
+        )
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
