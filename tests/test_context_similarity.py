@@ -268,24 +268,47 @@ def test_top_pairs_equal_brute_force(t, segment):
 
 
 
-@pytest.mark.parametrize("t,segment", [(128, 16), (24, 4), (37, 16)])
+@pytest.mark.parametrize("t,segment", [(128, 16), (24, 4), (37, 16), (21, 32)])
 def test_top_pairs_with_fewer_pairs_than_k(t, segment):
-    """Windows with a handful of valid tokens: their pairs first, then -inf (never garbage
-    from masked tiles or columns), in float32 as the analysis runs."""
+    """Windows with fewer valid pairs than k (3, 21, none; all pairs in the last): their
+    pairs first, then fillers that are never pairs (value -inf, i = j = 0, never garbage
+    from masked tiles, the lower triangle or invalid columns), sorted or not, in float32
+    as the analysis runs."""
     gen = torch.Generator().manual_seed(100 + t)
-    b, n_l, n_h, d = 3, 2, 2, 6
+    b, n_l, n_h, d = 5, 2, 2, 6
     z = torch.randn(b, n_l, n_h, t, d, generator=gen)
     valid = torch.zeros(b, t, dtype=torch.bool)
     valid[0, [1, 5, t - 2]] = True  # 3 pairs, far apart
     valid[1, 2:9] = True  # 21 pairs inside one block
     valid[2, 1:t - 1] = True  # all but the ends
-    k = 25
+    valid[3, t // 2] = True  # one token, no pair
+    k = 25  # window 4: no valid token
     for m in (None, torch.eye(d).expand(n_l, n_h, d, d) * 2.0):
-        v, i, j = top_pairs(z, valid, k, metric=m, segment=segment)
         full = similarity_matrices(z, metric=m)
-        for w, kw in enumerate(_assert_top_pairs_are_brute_force(v, i, j, full, valid, k)):
-            assert v[w, ..., kw:].isneginf().all()
-            assert valid[w, i[w, ..., :kw]].all() and valid[w, j[w, ..., :kw]].all()
+        v, i, j = top_pairs(z, valid, k, metric=m, segment=segment)
+        kept = _assert_top_pairs_are_brute_force(v, i, j, full, valid, k)
+        assert kept == [3, 21, k, 0, 0]
+        v2, i2, j2 = top_pairs(z, valid, k, metric=m, segment=segment, sort=False)
+        for w, kw in enumerate(kept):
+            for vv, ii, jj in ((v, i, j), (v2, i2, j2)):
+                assert vv[w, ..., kw:].isneginf().all()
+                assert (ii[w, ..., kw:] == 0).all() and (jj[w, ..., kw:] == 0).all()
+                assert (ii[w, ..., :kw] < jj[w, ..., :kw]).all()
+                assert valid[w, ii[w, ..., :kw]].all() and valid[w, jj[w, ..., :kw]].all()
+            # unsorted: the same pairs, first
+            key = (i[w, ..., :kw] * t + j[w, ..., :kw]).sort(-1).values
+            assert torch.equal(key, (i2[w, ..., :kw] * t + j2[w, ..., :kw]).sort(-1).values)
+
+
+def test_top_pairs_fillers_on_the_issue_example():
+    """3 valid tokens, k = 5 (issue 11): distances j - i were [.., -1, -16]."""
+    z = torch.randn(1, 1, 1, 20, 4, generator=torch.Generator().manual_seed(0))
+    valid = torch.zeros(1, 20, dtype=torch.bool)
+    valid[0, [2, 7, 11]] = True
+    v, i, j = top_pairs(z, valid, 5)
+    assert sorted(zip(i.flatten()[:3].tolist(), j.flatten()[:3].tolist())) == [
+        (2, 7), (2, 11), (7, 11)]
+    assert (j - i).flatten().tolist()[3:] == [0, 0] and v[..., 3:].isneginf().all()
 
 
 # ------------------------------------------------------------------ statistics
@@ -305,15 +328,15 @@ def _reference_stats(res: BatchResult, percentile, threshold, seps, vocab):
     for w in range(b):
         valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
         pairs = [(i, j) for a, i in enumerate(valid) for j in valid[a + 1:]]
-        k = min(max(1, round(len(pairs) * percentile / 100)), len(pairs))
+        k = min(max(1, round(len(pairs) * percentile / 100)), len(pairs))  # 0 if no pair
         same = {(i, j): bool(sent[w, i] == sent[w, j]) for i, j in pairs}
         ident = {(i, j): bool(ids[w, i] == ids[w, j]) for i, j in pairs}
         q = {}
         for dd in range(1, t):
             at = [p for p in pairs if p[1] - p[0] == dd]
             q[dd] = sum(same[p] for p in at) / len(at) if at else 0.0
-        p_same = sum(same.values()) / len(pairs)
-        p_ident = sum(ident.values()) / len(pairs)
+        p_same = sum(same.values()) / max(1, len(pairs))  # weighs k = 0 when no pair
+        p_ident = sum(ident.values()) / max(1, len(pairs))
         for tok in valid:
             out["corpus_token_counts"][ids[w, tok]] += 1
         out["n_windows"] += 1
@@ -403,6 +426,63 @@ def test_stats_equal_brute_force_when_all_windows_keep_the_same_k(seed, percenti
     res = _random_batch(seed)
     keep = torch.tensor([0, 2])  # same content tokens in both, no padding
     _stats_equal_to_reference(BatchResult(*(x[keep] for x in res[:5])), percentile)
+
+
+# content tokens per window: full (T - 2), a short padded window with 3 pairs, one and
+# no content token, a medium one, full again; batches of 2 and 3 put a full window next
+# to a short one, and batches of 2 hold one of only windows without pairs
+MIXED_CONTENT = (11, 3, 1, 0, 7, 11)
+
+
+def _mixed_batch(seed, t=13, n_l=2, n_h=3, d=4, vocab=9):
+    """Windows ``[CLS] content [SEP] padding`` with MIXED_CONTENT content tokens each."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(MIXED_CONTENT)
+    z = torch.randn(b, n_l, n_h, t, d, generator=gen, dtype=torch.float64)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    ids = torch.randint(3, vocab, (b, t), generator=gen)
+    sent = torch.full((b, t), -1)
+    for w, n in enumerate(MIXED_CONTENT):
+        mask[w, :n + 2] = 1
+        ids[w, 0], ids[w, n + 1], ids[w, n + 2:] = 1, 2, 0  # [CLS], [SEP], padding
+        ends = torch.randint(1, 4, (t,), generator=gen).cumsum(0)  # sentence lengths 1-3
+        sent[w, 1:n + 1] = torch.bucketize(torch.arange(n), ends, right=True)
+    attn = torch.rand(b, n_l, n_h, t, t, generator=gen, dtype=torch.float64) ** 4
+    attn = attn * mask[:, None, None, None, :]
+    attn = attn / attn.sum(-1, keepdim=True)
+    return BatchResult(z, attn, ids, sent, mask)
+
+
+def _window_slice(res, sl):
+    return BatchResult(*(x[sl] for x in res[:5]))
+
+
+@pytest.mark.parametrize("percentile", [10.0, 50.0, 100.0])
+def test_stats_of_batches_mixing_full_short_and_empty_windows(percentile):
+    """A full window next to one with fewer pairs than its k (issue 11: an index error at
+    batch size 2), windows with 0 or 1 content token, padding: the brute-force reference
+    at batch sizes 1, 2 and 3, and the same sums whatever the batch size."""
+    res = _mixed_batch(7)
+    seps = {"sep": 2, "comma": 4}
+    ref = _reference_stats(res, percentile, 0.08, seps, 9)
+    by_size = {}
+    for size in (1, 2, 3):
+        stats = SimilarityStats(2, 3, 13, 9, percentile=percentile, attention_threshold=0.08,
+                                separators=seps)
+        for start in range(0, len(MIXED_CONTENT), size):
+            stats.update(_window_slice(res, slice(start, start + size)))
+        for name, value in stats.tensors().items():
+            torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
+                                       msg=lambda m, name=name: f"size {size}, {name}: {m}")
+        by_size[size] = stats
+    for size in (2, 3):
+        for name, value in by_size[size].tensors().items():
+            one = getattr(by_size[1], name)
+            if value.is_floating_point():
+                torch.testing.assert_close(value, one, atol=1e-12, rtol=1e-12)
+            else:
+                assert torch.equal(value, one), (size, name)
+    assert int(ref["n_high"][0, 0]) > 0  # the statistics are not vacuous
 
 
 def test_stats_on_hand_made_batch():

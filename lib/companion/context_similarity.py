@@ -722,8 +722,12 @@ def top_pairs(
 
     Returns
     -------
-    (values, i, j) : each [B, L, H, k], sorted by decreasing similarity (if ``sort``),
-    ``i < j``; values are ``-inf`` beyond a window's number of valid pairs. With ``return_sum``,
+    (values, i, j) : each [B, L, H, k]. Window ``b`` has ``P_b = n_b (n_b - 1) / 2`` pairs
+    of its ``n_b`` valid tokens; its first ``min(k, P_b)`` entries are pairs (``i < j``,
+    both valid), sorted by decreasing similarity if ``sort`` (else in no particular
+    order). The remaining ``k - min(k, P_b)`` entries, only in windows with fewer than
+    ``k`` pairs, are fillers that are never a pair: value ``-inf`` and ``i = j = 0``
+    (so indices and distances ``j - i`` stay in range). With ``return_sum``,
     ``(values, i, j, sum)``.
 
     Complexity
@@ -803,6 +807,19 @@ def top_pairs(
     if sort:
         v, order = v.sort(dim=-1, descending=True, stable=True)
         i_sel, j_sel = i_sel.gather(1, order), j_sel.gather(1, order)
+    # A window with fewer than k pairs leaves the rest of its k slots to whatever -inf
+    # entries the selection met last (lower triangle, invalid rows or columns: i > j or
+    # an invalid token). Those become fillers that are never pairs, i = j = 0, value
+    # -inf, placed after the pairs. Only then: the usual batch has no such window.
+    n_tok = valid.sum(1)
+    if int((n_tok * (n_tok - 1) // 2).min()) < k:
+        valid_rows = valid.expand(lh, b, t).reshape(lh * b, t)  # row r is window r % b
+        filler = ~((i_sel < j_sel) & valid_rows.gather(1, i_sel)
+                   & valid_rows.gather(1, j_sel))
+        order = filler.to(torch.uint8).argsort(dim=-1, stable=True)  # pairs first
+        v = v.masked_fill(filler, neg_inf).gather(1, order)
+        i_sel = i_sel.masked_fill(filler, 0).gather(1, order)
+        j_sel = j_sel.masked_fill(filler, 0).gather(1, order)
 
     def by_window(x):  # [L H B, k] -> [B, L, H, k]
         return x.view(n_l, n_h, b, k).permute(2, 0, 1, 3).contiguous()
