@@ -233,3 +233,90 @@ def test_condensation_graph_matches_networkx():
         for v in ref:
             ref.nodes[v]["members"] = tuple(sorted(ref.nodes[v]["members"]))
         assert _members_graph(ours) == _members_graph(ref)
+
+
+# ------------------------------------------------- dtypes, odd sizes, word boundaries
+def _networkx_graph(mask):
+    """The mask as a networkx DiGraph with an edge k -> q for mask[q, k] (q != k)."""
+    g = nx.DiGraph()
+    g.add_nodes_from(range(mask.shape[0]))
+    qs, ks = torch.nonzero(mask, as_tuple=True)
+    g.add_edges_from((int(k), int(q)) for q, k in zip(qs, ks) if int(q) != int(k))
+    return g
+
+
+def _networkx_reach(mask, layers=None):
+    """R[q, k] from networkx: q within ``layers`` edges of k (any number when None)."""
+    n = mask.shape[0]
+    R = torch.zeros(n, n, dtype=torch.bool)
+    if layers is None:
+        closure = nx.transitive_closure(_networkx_graph(mask), reflexive=True)
+        for k, q in closure.edges:
+            R[q, k] = True
+        return R
+    for k, dist in nx.all_pairs_shortest_path_length(_networkx_graph(mask), cutoff=layers):
+        for q in dist:
+            R[q, k] = True
+    return R
+
+
+def _networkx_depth(mask):
+    """Largest shortest-path distance between two positions that reach each other."""
+    return max(max(d.values()) for _, d in nx.all_pairs_shortest_path_length(
+        _networkx_graph(mask)))
+
+
+def _odd_size_masks():
+    """n = 1, odd sizes, and sizes on each side of the 64-bit words of the bitset rows."""
+    g = torch.Generator().manual_seed(7)
+    cases = {"n1-empty": torch.zeros(1, 1, dtype=torch.bool),
+             "n1-self": torch.ones(1, 1, dtype=torch.bool)}
+    for n in (3, 7, 63, 65, 129):
+        for p in (0.0, min(1.0, 1.5 / n), min(1.0, 4.0 / n)):
+            cases[f"random-{n}-{p:.3f}"] = M.random_mask(n, p, generator=g)
+        cases[f"chain-{n}"] = M.chain(n)
+    cases["window-65-5"] = M.sliding_window(65, 5)
+    cases["chain-65-transposed-view"] = M.chain(65).T  # a non-contiguous view
+    cases["block-causal-63-8"] = M.block_causal(63, 8)
+    return cases
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", list(_odd_size_masks()))
+def test_limit_depth_and_powers_match_networkx_at_odd_sizes(name, method):
+    mask = _odd_size_masks()[name]
+    res = RR.order_structure(mask, method=method)
+    assert res.R.dtype == torch.bool
+    assert torch.equal(res.R, _networkx_reach(mask))
+    assert res.depth == _networkx_depth(mask)
+    for layers in sorted({0, 1, 2, res.depth, res.depth + 1}):
+        assert torch.equal(RR.reachability(mask, layers), _networkx_reach(mask, layers)), layers
+    ref = _networkx_hasse(mask)
+    assert _members_graph(res.hasse) == _members_graph(ref)
+
+
+NON_BOOL_DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+                   torch.float32, torch.float64]
+PUBLIC_MASK_FUNCTIONS = {
+    "layer_adjacency": RR.layer_adjacency,
+    "reachability": lambda m: RR.reachability(m, 2),
+    "reachability_sequence": RR.reachability_sequence,
+    "reachability_limit/bitset": lambda m: RR.reachability_limit(m, method="bitset"),
+    "reachability_limit/matmul": lambda m: RR.reachability_limit(m, method="matmul"),
+    "order_structure": RR.order_structure,
+    "hasse_diagram": RR.hasse_diagram,
+    "condensation_graph": RR.condensation_graph,
+    "tokens_reached": lambda m: RR.tokens_reached(m, [(i,) for i in range(m.shape[0])]),
+}
+
+
+@pytest.mark.parametrize("function", list(PUBLIC_MASK_FUNCTIONS))
+@pytest.mark.parametrize("dtype", NON_BOOL_DTYPES, ids=str)
+def test_non_bool_masks_raise_a_type_error_naming_the_parameter(dtype, function):
+    """Masks are bool only: a 0/1 integer or float mask is refused, never read as truthy
+    (a float mask could hold additive -inf/0 scores, the opposite convention)."""
+    mask = M.chain(5).to(dtype)
+    name = "R" if function == "tokens_reached" else "mask"
+    with pytest.raises(TypeError, match=rf"^{name}: expected a square 2-D bool tensor, "
+                                        rf"got dtype {dtype}"):
+        PUBLIC_MASK_FUNCTIONS[function](mask)
