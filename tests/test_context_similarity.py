@@ -90,7 +90,8 @@ def _reference_heads(model, batch):
         with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         with torch.no_grad():
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            model(**{key: batch[key] for key in ("input_ids", "attention_mask",
+                                                  "token_type_ids") if key in batch})
     finally:
         for h in handles:
             h.remove()
@@ -216,6 +217,86 @@ def test_post_wo_contributions_sum_to_the_projection(minilm64):
     pre = head_outputs(model, batch).outputs
     torch.testing.assert_close(similarity_matrices(pre, metric=wo_gram(model)),
                                similarity_matrices(post), atol=1e-8, rtol=1e-8)
+
+
+def test_the_tokenizers_own_output_is_a_batch(minilm64):
+    """A BatchEncoding (a Mapping, not a dict) from the real tokenizer, padded, with
+    sentence pairs (token_type_ids 1): the float64 per-head reference; any other Mapping
+    gives the same; analyse_batch takes it once sentence ids are added."""
+    from types import MappingProxyType
+
+    from transformers import BatchEncoding
+
+    model, tok = minilm64
+    enc = tok(["The fox jumps over the dog.", "Markets rose, and analysts said so."],
+              ["It was quick.", "Others warned that prices were too high."],
+              padding=True, return_tensors="pt", return_special_tokens_mask=True)
+    assert isinstance(enc, BatchEncoding) and not isinstance(enc, dict)
+    assert not enc["attention_mask"].all() and enc["token_type_ids"].any()  # padded, pairs
+    ho = head_outputs(model, enc)
+    z_ref, a_ref = _reference_heads(model, enc)
+    torch.testing.assert_close(ho.outputs, z_ref, atol=1e-8, rtol=1e-7)
+    torch.testing.assert_close(ho.attentions, a_ref, atol=1e-10, rtol=1e-7)
+    no_types = {key: enc[key] for key in ("input_ids", "attention_mask")}
+    assert not torch.allclose(head_outputs(model, no_types).outputs, ho.outputs)  # used
+    proxy = MappingProxyType({**enc, "attention_mask": enc["attention_mask"].bool()})
+    assert torch.equal(head_outputs(model, proxy).outputs, ho.outputs)
+
+    with pytest.raises(ValueError, match="sentence_ids"):
+        analyse_batch(model, enc)
+    content = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()
+    enc["sentence_ids"] = torch.where(content, enc["token_type_ids"], -1)
+    res = analyse_batch(model, enc)
+    torch.testing.assert_close(res.outputs, z_ref, atol=1e-8, rtol=1e-7)
+    assert torch.equal(res.sentence_ids, enc["sentence_ids"])
+    seps = cs.separator_ids(tok)
+    stats = SimilarityStats(6, 12, enc["input_ids"].shape[1], model.config.vocab_size,
+                            percentile=5.0, separators=seps).update(res)
+    ref = _reference_stats(res._replace(attentions=torch.stack(res.attentions, 1)), 5.0, 0.1,
+                           seps, model.config.vocab_size)
+    for name, value in stats.tensors().items():
+        torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_bad_batches_name_the_entry_and_what_was_expected(minilm64):
+    model, tok = minilm64
+    texts = ["The fox jumps.", "A dog, a cat."]
+    enc = tok(texts, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    type_errors = [
+        ({"attention_mask": mask}, r"batch: expected a Mapping .* keys \['attention_mask'\]"),
+        (tok(texts, padding=True), r"batch\['input_ids'\]: expected a torch.Tensor.*list"),
+        (tok(texts, padding=True, return_tensors="np"), r"batch\['input_ids'\].*ndarray"),
+        ({"input_ids": ids.int()}, r"batch\['input_ids'\]: expected dtype torch.long"),
+        ({"input_ids": ids, "attention_mask": mask.double()},
+         r"batch\['attention_mask'\]: expected an integer"),
+        ({"input_ids": ids, "token_type_ids": ids.tolist()}, r"batch\['token_type_ids'\]"),
+    ]
+    value_errors = [
+        ({"input_ids": ids[None]}, r"batch\['input_ids'\]: expected a 2-D tensor"),
+        ({"input_ids": ids[:, :1]}, r"batch\['input_ids'\]: expected B >= 1 and T >= 2"),
+        ({"input_ids": ids.to("meta")}, r"batch\['input_ids'\]: on meta, the model on cpu"),
+        ({"input_ids": ids.clone().fill_(model.config.vocab_size)},
+         r"batch\['input_ids'\]: token ids must lie in \[0, 30522\)"),
+        ({"input_ids": ids, "attention_mask": mask[:, 1:]},
+         r"batch\['attention_mask'\]: expected shape"),
+        ({"input_ids": ids, "attention_mask": mask * 2},
+         r"batch\['attention_mask'\]: expected values in \[0, 2\)"),
+        ({"input_ids": ids, "token_type_ids": torch.full_like(ids, 2)},
+         r"batch\['token_type_ids'\]: expected values in \[0, 2\)"),
+    ]
+    for errors, kind in ((type_errors, TypeError), (value_errors, ValueError)):
+        for batch, message in errors:
+            with pytest.raises(kind, match=message):
+                head_outputs(model, batch)
+    with pytest.raises(TypeError, match=r"batch\['sentence_ids'\]: expected an integer"):
+        analyse_batch(model, {"input_ids": ids, "sentence_ids": mask.float()})
+    with pytest.raises(TypeError, match="model: expected a BERT-family encoder"):
+        head_outputs(torch.nn.Linear(2, 2), enc)
+    for dtype in (torch.long, "float64", None):
+        with pytest.raises(TypeError, match="dtype: expected a floating torch.dtype"):
+            load_encoder(dtype=dtype)
 
 
 # ------------------------------------------------------------------ top pairs

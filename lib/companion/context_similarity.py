@@ -50,6 +50,7 @@ import argparse
 import importlib.util
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -168,7 +169,8 @@ def load_encoder(
     device : "auto", "cpu", "cuda", torch.device
         Where the model's weights are placed.
     dtype : torch.dtype
-        Weight dtype (default float32).
+        Weight dtype, a floating one (default float32; float32 and float64 are tested,
+        float64 gives reference-grade numbers at about twice the cost).
 
     Returns
     -------
@@ -180,10 +182,14 @@ def load_encoder(
     ModelNotFoundError (a FileNotFoundError and ValueError)
         Nothing at ``name_or_path``; the message says how to get a model.
     TypeError
-        The checkpoint is not a BERT-family encoder.
+        The checkpoint is not a BERT-family encoder, or ``dtype`` is not a floating
+        torch.dtype.
     """
     from transformers import AutoModel, AutoTokenizer
 
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype such as torch.float32, "
+                        f"got {dtype!r}")
     dev = resolve_device(device)
     if name_or_path is None:
         source = str(default_model_path())
@@ -249,28 +255,67 @@ def _heads(model) -> tuple[int, int, int]:
     return len(encoder_layers(model)), n_heads, int(cfg.hidden_size) // n_heads
 
 
-def _batch_tensors(batch) -> dict[str, torch.Tensor]:
-    if hasattr(batch, "batch") and callable(batch.batch):  # companion.corpora.Windows
-        batch = batch.batch()
-    if not isinstance(batch, dict) or "input_ids" not in batch:
-        raise TypeError(
-            "batch: expected a dict with 'input_ids' (and 'attention_mask') or a "
-            f"companion.corpora.Windows, got {type(batch).__name__}"
-        )
+_BATCH_HELP = ("a Mapping such as a dict or a tokenizer's BatchEncoding "
+               "(tokenizer(..., return_tensors='pt')) with 'input_ids' [B, T] and optionally "
+               "'attention_mask' and 'token_type_ids', or a companion.corpora.Windows")
+
+
+def _batch_tensors(batch, model) -> dict[str, torch.Tensor]:
+    """The batch as a plain dict, its model inputs checked against ``model``.
+
+    Any ``collections.abc.Mapping`` is read (a Hugging Face ``BatchEncoding`` is one, not a
+    dict); keys other than the model inputs and ``sentence_ids`` are passed through
+    unchecked. Checked here rather than left to the forward pass, whose errors (an
+    embedding index out of range, a device mismatch) come from deep inside torch.
+    """
+    encoder_layers(model)  # TypeError for anything but a BERT-family model
+    if not isinstance(batch, Mapping) and callable(getattr(batch, "batch", None)):
+        batch = batch.batch()  # companion.corpora.Windows
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch: expected {_BATCH_HELP}; got {type(batch).__name__}")
+    if "input_ids" not in batch:
+        raise TypeError(f"batch: expected {_BATCH_HELP}; got a {type(batch).__name__} with "
+                        f"keys {sorted(map(str, batch.keys()))}")
     ids = batch["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"batch['input_ids']: expected a 2-D long tensor [B, T], got {shape}")
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError("batch['input_ids']: expected a torch.Tensor [B, T] of token ids "
+                        f"(return_tensors='pt'), got {type(ids).__name__}")
+    if ids.dtype != torch.long:
+        raise TypeError(f"batch['input_ids']: expected dtype torch.long, got {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"batch['input_ids']: expected a 2-D tensor [B, T], got shape "
+                         f"{tuple(ids.shape)}")
     if ids.shape[0] == 0 or ids.shape[1] < 2:
         raise ValueError(f"batch['input_ids']: expected B >= 1 and T >= 2, got {tuple(ids.shape)}")
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(ids)
-    if tuple(mask.shape) != tuple(ids.shape):
-        raise ValueError(
-            f"batch['attention_mask']: expected shape {tuple(ids.shape)}, got {tuple(mask.shape)}"
-        )
-    return {**batch, "input_ids": ids, "attention_mask": mask}
+    model_device = next(model.parameters()).device
+    if ids.device != model_device:
+        raise ValueError(f"batch['input_ids']: on {ids.device}, the model on {model_device}; "
+                         "move the batch to the model's device (nothing is moved here)")
+    vocab = int(model.config.vocab_size)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"batch['input_ids']: token ids must lie in [0, {vocab}) (the "
+                         f"model's vocabulary), got [{int(ids.min())}, {int(ids.max())}]")
+    out = dict(batch.items())
+    n_types = getattr(model.config, "type_vocab_size", None)
+    for name, top in (("attention_mask", 2), ("token_type_ids", n_types), ("sentence_ids", None)):
+        x = out.get(name)
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.is_complex():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"batch[{name!r}]: expected an integer (or bool) torch.Tensor, "
+                            f"got {got}")
+        if tuple(x.shape) != tuple(ids.shape) or x.device != ids.device:
+            raise ValueError(f"batch[{name!r}]: expected shape {tuple(ids.shape)} on "
+                             f"{ids.device} like input_ids, got {tuple(x.shape)} on {x.device}")
+        if x.dtype == torch.bool:
+            x = out[name] = x.long()  # the model adds masks as numbers
+        if top is not None and (int(x.min()) < 0 or int(x.max()) >= top):
+            raise ValueError(f"batch[{name!r}]: expected values in [0, {top}), got "
+                             f"[{int(x.min())}, {int(x.max())}]")
+    if out.get("attention_mask") is None:
+        out["attention_mask"] = torch.ones_like(ids)
+    return out
 
 
 def _check_model(model, length: int) -> None:
@@ -323,9 +368,12 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
     Parameters
     ----------
     model : a BERT-family model in eval mode with eager attention (see :func:`load_encoder`).
-    batch : dict with ``input_ids`` [B, T] (long) and optionally ``attention_mask``,
-        ``token_type_ids``; or a :class:`companion.corpora.Windows`. Tensors must be on
-        the model's device (nothing is moved).
+    batch : Mapping or :class:`companion.corpora.Windows`
+        Any ``collections.abc.Mapping`` (a dict, or the tokenizer's own output, a
+        ``BatchEncoding`` from ``tokenizer(..., padding=True, return_tensors="pt")``) with
+        ``input_ids`` [B, T] (long) and optionally ``attention_mask`` and
+        ``token_type_ids`` (integer or bool, [B, T]); other keys are ignored. Tensors must
+        be on the model's device (nothing is moved).
     where : "pre_wo" | "post_wo"
         ``"pre_wo"``: ``z^{lh}_i`` (size ``d``); ``"post_wo"``: the head's contribution
         after ``W_O``, ``W_O^h z^{lh}_i`` (size ``D``; the bias of ``W_O`` is not split
@@ -335,7 +383,18 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
     Returns
     -------
     HeadOutputs(outputs, attentions)
-        ``outputs`` [B, L, H, T, d] (or [B, L, H, T, D]); ``attentions`` [B, L, H, T, T].
+        ``outputs`` [B, L, H, T, d] (or [B, L, H, T, D]); ``attentions`` [B, L, H, T, T],
+        both in the model's dtype (float32 and float64 are tested).
+
+    Raises
+    ------
+    TypeError
+        ``batch`` is not a Mapping (or Windows), has no ``input_ids``, or holds a
+        non-tensor or wrongly typed entry (``input_ids`` not long, a floating mask).
+    ValueError
+        Wrong rank or shape, tensors on another device than the model, token ids outside
+        the vocabulary, a mask not 0/1, windows longer than the model accepts, ``where``
+        unknown, a model in training mode or without eager attention.
 
     Complexity
     ----------
@@ -343,7 +402,7 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
-    z, attentions, _ = _head_outputs_raw(model, _batch_tensors(batch))
+    z, attentions, _ = _head_outputs_raw(model, _batch_tensors(batch, model))
     if where == "post_wo":
         layers = encoder_layers(model)
         n_layers, n_heads, d = _heads(model)
@@ -587,7 +646,10 @@ def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None
                   workspace: dict | None = None):
     """Head outputs and attention maps of one batch, ready for :meth:`SimilarityStats.update`.
 
-    ``batch`` needs ``sentence_ids`` [B, T] (e.g. a :class:`companion.corpora.Windows`).
+    ``batch`` is what :func:`head_outputs` takes (a Mapping such as a dict or a
+    tokenizer's ``BatchEncoding``, or a :class:`companion.corpora.Windows`) and needs
+    ``sentence_ids`` [B, T] (integer, -1 at special tokens and padding; a Windows has
+    them, a tokenizer's output does not: add them to it).
     ``where="post_wo"`` attaches the metric :func:`wo_gram` (pass ``gram`` to reuse it),
     so the statistics use the post-W_O similarities. With a ``workspace`` dict the
     attention maps live in a buffer kept there and reused by the next call with the same
@@ -595,9 +657,11 @@ def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
-    tensors = _batch_tensors(batch)
+    tensors = _batch_tensors(batch, model)
     if tensors.get("sentence_ids") is None:
-        raise ValueError("batch: expected 'sentence_ids' [B, T] (use companion.corpora.windows)")
+        raise ValueError("batch: expected 'sentence_ids' [B, T] (-1 at special tokens and "
+                         "padding), as companion.corpora.windows makes; add them to a "
+                         "tokenizer's output")
     content = tensors["attention_mask"].bool() & (tensors["sentence_ids"] >= 0)
     z, attentions, received = _head_outputs_raw(model, tensors, workspace, content)
     metric = None
