@@ -55,6 +55,8 @@ from collections.abc import Sequence
 
 import torch
 
+from companion._validate import check_int, describe
+
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MIN, MAX, MED, SUM_MOD)
 DIGITS = tuple(str(v) for v in range(10))
@@ -182,6 +184,7 @@ def generate(
         raise ValueError(f"max_args: expected >= 2, got {max_args}")
     if max_tries is None:
         max_tries = 1000 * n + 10**5
+    max_tries = check_int("max_tries", max_tries, minimum=1)
     rng = random.Random(seed)
     found: dict[str, int] = {}
     tries = 0
@@ -301,10 +304,13 @@ def encode(
     torch.Tensor
         int64 tensor of shape ``[len(sources), max_length]`` on ``device`` (CPU if None).
     """
-    if not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
+    max_length = check_int("max_length", max_length, minimum=1)
     if isinstance(sources, str):
         raise TypeError("sources: expected a sequence of str, got a single str")
+    sources = list(sources)
+    for i, src in enumerate(sources):
+        if not isinstance(src, str):
+            raise TypeError(f"sources[{i}]: expected a str, got {describe(src)}")
     vocab = vocabulary(brackets=brackets)
     oov = len(vocab) + 1
     out = torch.zeros(len(sources), max_length, dtype=torch.long)

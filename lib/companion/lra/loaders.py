@@ -1,7 +1,8 @@
 """Loaders for the LRA tasks that need downloaded data, and an offline image stand-in.
 
 Nothing here downloads anything. Each loader reads the files a user already has and
-raises ``FileNotFoundError`` naming the path it expected otherwise:
+raises :class:`DataNotFoundError` (a ``FileNotFoundError`` and ``ValueError``) naming
+the path it expected otherwise:
 
 - Image: CIFAR-10, the "python version" archive unpacked to
   ``<root>/cifar-10-batches-py/{data_batch_1..5, test_batch}``; turned grey as LRA does
@@ -28,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from companion._validate import check_int, describe
+
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)  # tf.image.rgb_to_grayscale
 
 
@@ -53,8 +56,12 @@ class TokenDataset:
     vocab_size: int
 
 
-def _missing(path: Path, what: str, how: str) -> FileNotFoundError:
-    return FileNotFoundError(
+class DataNotFoundError(FileNotFoundError, ValueError):
+    """The files of a data set are not where the loader looks (nothing is downloaded)."""
+
+
+def _missing(path: Path, what: str, how: str) -> DataNotFoundError:
+    return DataNotFoundError(
         f"{what}: expected {path} (not found). {how} Nothing is downloaded at run time.")
 
 
@@ -101,8 +108,13 @@ def load_cifar10_grey(root: str | Path, *, split: str = "train"):
 
 def bytes_to_ids(texts, *, max_length: int) -> torch.Tensor:
     """UTF-8 byte ids (byte + 1; 0 = padding), truncated to ``max_length``."""
-    if not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length: expected a positive int, got {max_length!r}")
+    max_length = check_int("max_length", max_length, minimum=1)
+    if isinstance(texts, str):
+        raise TypeError("texts: expected a sequence of str, got a single str")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}]: expected a str, got {describe(text)}")
     out = torch.zeros(len(texts), max_length, dtype=torch.long)
     for i, text in enumerate(texts):
         raw = np.frombuffer(text.encode("utf-8")[:max_length], dtype=np.uint8)
@@ -162,8 +174,7 @@ def digits_standin(*, size: int = 32) -> TokenDataset:
     flattened row by row: ``size**2`` tokens, vocabulary 256, 10 classes, 1,797 images.
     Requires scikit-learn (an ImportError says so).
     """
-    if not isinstance(size, int) or size < 8:
-        raise ValueError(f"size: expected an int >= 8, got {size!r}")
+    size = check_int("size", size, minimum=8)
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:  # pragma: no cover - depends on the environment

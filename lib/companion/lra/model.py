@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from companion._validate import check_bool, check_choice, check_int, check_number, check_tensor
 from companion.sbm import SBMAttention
 
 ATTENTIONS = ("sbm", "dense")
@@ -53,10 +54,11 @@ class MultiHeadAttention(nn.Module):
                  num_clusters: int = 128, duplicates: str = "keep", self_loops: bool = False,
                  device=None, dtype=None):
         super().__init__()
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+        for name, val in (("dim", dim), ("heads", heads), ("head_dim", head_dim)):
+            check_int(name, val, minimum=1)
+        check_choice("attention", attention, ATTENTIONS)
         factory = {"device": device, "dtype": dtype}
-        self.heads, self.head_dim, self.attention = heads, head_dim, attention
+        self.dim, self.heads, self.head_dim, self.attention = dim, heads, head_dim, attention
         self.qkv = nn.Linear(dim, 3 * heads * head_dim, **factory)
         self.out = nn.Linear(heads * head_dim, dim, **factory)
         self.sbm = (SBMAttention(head_dim, heads, num_clusters, duplicates=duplicates,
@@ -71,6 +73,14 @@ class MultiHeadAttention(nn.Module):
 
         Returns ``(y [B, n, dim], density [B, H])``.
         """
+        check_tensor("x", x, ndim=3, floating=True, shape_text=f"[B, n, {self.dim}]")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected [B, n, {self.dim}], got shape {tuple(x.shape)}")
+        if valid is not None:
+            check_tensor("valid", valid, ndim=2, dtype=torch.bool, shape_text="[B, n]")
+            if tuple(valid.shape) != tuple(x.shape[:2]):
+                raise ValueError(
+                    f"valid: expected shape {tuple(x.shape[:2])} like x, got {tuple(valid.shape)}")
         b, n, _ = x.shape
         q, k, v = (self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim)
                    .permute(2, 0, 3, 1, 4).unbind(0))  # each [B, H, n, d]
@@ -146,14 +156,16 @@ class LRAClassifier(nn.Module):
                           ("num_classes", num_classes), ("dim", dim), ("heads", heads),
                           ("head_dim", head_dim), ("ffn", ffn), ("num_layers", num_layers),
                           ("num_clusters", num_clusters)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name}: expected a positive int, got {val!r}")
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+            check_int(name, val, minimum=1)
+        check_choice("attention", attention, ATTENTIONS)
+        check_number("dropout", dropout, minimum=0.0, maximum=1.0, max_open=True,
+                     expected="a probability in [0, 1)")
+        if pad_id is not None:
+            check_int("pad_id", pad_id, minimum=0, maximum=vocab_size - 1)
+        dual = check_bool("dual", dual)
         factory = {"device": device, "dtype": dtype}
         self.attention, self.pad_id, self.dual, self.seq_len = attention, pad_id, dual, seq_len
+        self.vocab_size = vocab_size
         self.num_layers, self.heads = num_layers, heads
         self.embed = nn.Embedding(vocab_size, dim, **factory)
         self.pos = nn.Parameter(torch.empty(seq_len, dim, **factory))
@@ -172,13 +184,18 @@ class LRAClassifier(nn.Module):
 
     def encode(self, tokens: torch.Tensor, *, generator=None):
         """Pooled representation ``[B, dim]`` and per-layer densities of one tower."""
-        if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(
-                f"tokens: expected a [B, n] int64 tensor, got {tuple(tokens.shape)} "
-                f"{tokens.dtype}")
-        n = tokens.shape[1]
+        check_tensor("tokens", tokens, ndim=2, dtype=torch.long, shape_text="[B, n]")
+        b, n = tokens.shape
+        if b == 0 or n == 0:
+            raise ValueError(f"tokens: expected B >= 1 and n >= 1, got shape {tuple(tokens.shape)}")
         if n > self.seq_len:
             raise ValueError(f"tokens: length {n} exceeds seq_len={self.seq_len}")
+        lo, hi = (int(v) for v in torch.aminmax(tokens))
+        if lo < 0 or hi >= self.vocab_size:
+            # nn.Embedding would fail deep inside torch with "index out of range in self"
+            raise ValueError(
+                f"tokens: expected ids in [0, {self.vocab_size}) (vocab_size), got range "
+                f"[{lo}, {hi}]")
         valid = None if self.pad_id is None else tokens != self.pad_id
         if valid is not None:
             valid[:, 0] = True  # an all-padding row would have nothing to attend to
@@ -224,9 +241,8 @@ def attention_flops(num_edges: float, head_dim: int) -> float:
     (``d`` MACs), i.e. ``4 d`` FLOPs; the softmax's exp/sum/divide are ``O(1)`` per edge
     and not counted. Dense attention is the complete graph, ``n * m`` edges.
     """
-    if num_edges < 0 or head_dim < 1:
-        raise ValueError(
-            f"num_edges, head_dim: expected >= 0 and >= 1, got {num_edges}, {head_dim}")
+    num_edges = check_number("num_edges", num_edges, minimum=0.0)
+    head_dim = check_int("head_dim", head_dim, minimum=1)
     return 4.0 * head_dim * float(num_edges)
 
 

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from companion._validate import check_device, check_int, check_number, check_tensor, describe
+
 
 @dataclass
 class PathfinderSet:
@@ -275,27 +277,26 @@ def generate(
         raise ValueError(f"contour_length: expected >= 1 paddle, got {contour_length}")
     if distractor_length is None:
         distractor_length = max(contour_length // 3, 1)
+    distractor_length = check_int("distractor_length", distractor_length, minimum=1)
     if num_distractors is None:
         num_distractors = 20 // distractor_length
-    if distractor_length < 1 or num_distractors < 0:
-        raise ValueError(
-            f"distractor_length, num_distractors: expected >= 1 and >= 0, got "
-            f"{distractor_length}, {num_distractors}")
+    num_distractors = check_int("num_distractors", num_distractors, minimum=0)
+    max_attempts = check_int("max_attempts", max_attempts, minimum=1)
     for name, val in (("paddle_length", paddle_length), ("paddle_thickness", paddle_thickness),
                       ("antialias", antialias), ("marker_radius", marker_radius)):
-        if not (isinstance(val, (int, float)) and val > 0 and math.isfinite(val)):
-            raise ValueError(f"{name}: expected a positive finite number, got {val!r}")
-    if not (0 <= paddle_gap < paddle_thickness + 2 * antialias):
+        check_number(name, val, minimum=0.0, min_open=True, expected="a positive finite number")
+    paddle_gap = check_number("paddle_gap", paddle_gap, minimum=0.0)
+    if not paddle_gap < paddle_thickness + 2 * antialias:
         raise ValueError(
             f"paddle_gap: expected 0 <= gap < paddle_thickness + 2 * antialias "
             f"(= {paddle_thickness + 2 * antialias}) so a snake stays connected, "
             f"got {paddle_gap}")
-    if not (0 < max_turn <= math.pi):
-        raise ValueError(f"max_turn: expected an angle in (0, pi], got {max_turn}")
-    if padding < 0:
-        raise ValueError(f"padding: expected >= 0, got {padding}")
-    if not (isinstance(path_intensity, (int, float)) and 0 < path_intensity <= 1):
-        raise ValueError(f"path_intensity: expected a number in (0, 1], got {path_intensity!r}")
+    check_number("max_turn", max_turn, minimum=0.0, maximum=math.pi, min_open=True,
+                 expected="an angle in (0, pi]")
+    check_number("padding", padding, minimum=0.0)
+    check_number("path_intensity", path_intensity, minimum=0.0, maximum=1.0, min_open=True,
+                 expected="a number in (0, 1]")
+    device = check_device("device", device)
 
     rng = np.random.default_rng(seed)
     labels = np.zeros(n, dtype=np.int64)
@@ -342,12 +343,8 @@ def to_sequences(images: torch.Tensor, levels: int = 256) -> torch.Tensor:
     ``(0, 1]`` is cut into ``L - 1`` equal bins (vocabulary ``L``); e.g. ``L = 3``
     separates ink up to half intensity from brighter ink.
     """
-    if not isinstance(levels, int) or isinstance(levels, bool) or not 2 <= levels <= 256:
-        raise ValueError(f"levels: expected an int in [2, 256], got {levels!r}")
-    if not isinstance(images, torch.Tensor) or images.dim() != 3:
-        raise ValueError(
-            f"images: expected a [n, H, W] tensor, got "
-            f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images)}")
+    levels = check_int("levels", levels, minimum=2, maximum=256)
+    check_tensor("images", images, ndim=3, finite=True, nonempty=True, shape_text="[n, H, W]")
     if images.is_floating_point():
         if images.min() < 0 or images.max() > 1:
             raise ValueError("images: expected float intensities in [0, 1]")
@@ -370,6 +367,8 @@ def best_threshold_accuracy(feature: torch.Tensor, labels: torch.Tensor) -> floa
 
     Complexity: ``O(n log n)`` (one sort).
     """
+    check_tensor("feature", feature, finite=True)
+    check_tensor("labels", labels)
     if feature.dim() != 1 or labels.shape != feature.shape:
         raise ValueError(
             f"feature, labels: expected two 1-D tensors of one length, got "
@@ -408,6 +407,8 @@ def distance_matched_subset(markers: torch.Tensor, labels: torch.Tensor) -> torc
 
     Complexity: ``O(n log n)``.
     """
+    check_tensor("markers", markers)
+    check_tensor("labels", labels)
     if markers.dim() != 3 or markers.shape[1:] != (2, 2) or labels.shape != markers.shape[:1]:
         raise ValueError(
             f"markers, labels: expected shapes [n, 2, 2] and [n], got "
@@ -431,6 +432,8 @@ def shortcut_accuracies(data: PathfinderSet) -> dict:
     ``ink pixels``: number of non-black pixels; ``total ink``: sum of intensities.
     A model that traces paths should beat all of them.
     """
+    if not isinstance(data, PathfinderSet):
+        raise TypeError(f"data: expected a PathfinderSet, got {describe(data)}")
     markers = data.markers.to(torch.float64)
     dist = (markers[:, 0] - markers[:, 1]).norm(dim=1)
     size = data.images.shape[-1]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from companion._validate import check_int, check_number, describe
 from companion.sbm import density_regularizer
 
 
@@ -58,15 +58,20 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "eval_batch_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name}: expected a positive int, got {val!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr: expected a positive float, got {self.lr!r}")
-        if not self.lam >= 0:
-            raise ValueError(f"lam: expected a nonnegative float, got {self.lam!r}")
-        if not 0 < self.pct_start < 1:
-            raise ValueError(f"pct_start: expected a fraction in (0, 1), got {self.pct_start!r}")
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("seed", self.seed)
+        check_number("lr", self.lr, minimum=0.0, min_open=True, expected="a positive float")
+        check_number("lam", self.lam, minimum=0.0, expected="a nonnegative float")
+        check_number("weight_decay", self.weight_decay, minimum=0.0)
+        check_number("eps", self.eps, minimum=0.0, min_open=True)
+        check_number("pct_start", self.pct_start, minimum=0.0, maximum=1.0, min_open=True,
+                     max_open=True, expected="a fraction in (0, 1)")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise TypeError(f"betas: expected a pair (beta1, beta2), got {describe(self.betas)}")
+        for i, beta in enumerate(self.betas):
+            check_number(f"betas[{i}]", beta, minimum=0.0, maximum=1.0, max_open=True)
+        if self.grad_clip is not None:
+            check_number("grad_clip", self.grad_clip, minimum=0.0, min_open=True)
 
 
 @dataclass
@@ -115,6 +120,10 @@ def _split(data):
     if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
         raise ValueError("data: expected (tokens, labels) or (tokens, tokens_2, labels)")
     *inputs, labels = data
+    for name, t in zip(("tokens", "tokens_2")[: len(inputs)] + ("labels",), (*inputs, labels)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise TypeError(f"data: expected tensors with a batch axis, got {describe(t)} "
+                            f"for {name}")
     n = labels.shape[0]
     for t in inputs:
         if t.shape[0] != n:
@@ -128,6 +137,8 @@ def evaluate(model: nn.Module, data, *, batch_size: int = 256, seed: int = 0):
     Sharded over processes when a process group is initialised (each process takes
     every ``W``-th batch); SBM sampling uses a generator seeded with ``seed + rank``.
     """
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    seed = check_int("seed", seed)
     inputs, labels = _split(data)
     rank, world = _world()
     device = labels.device
@@ -180,6 +191,8 @@ def train(model: nn.Module, train_data, dev_data, test_data, config: TrainConfig
     ``steps`` forward/backward passes of ``batch_size / W`` examples per process, plus
     ``steps / eval_every`` dev evaluations.
     """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config: expected a TrainConfig, got {describe(config)}")
     rank, world = _world()
     if config.batch_size % world:
         raise ValueError(
