@@ -1,9 +1,13 @@
 """The theory on a real network: Jacobian dependency patterns, leakage, train = inference,
 and FlexAttention mask_mods against SDPA."""
+import contextlib
+import math
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from companion import masks as M
 from companion import masked_transformer as MT
@@ -125,6 +129,7 @@ def test_flex_attention_matches_sdpa_cpu(name):
         res = MT.flex_vs_sdpa(mod, dense, generator=torch.Generator().manual_seed(0))
     assert res["max_abs_diff"] < 1e-5
     assert res["empty_rows_zero"]
+    assert res["sdpa_empty_rows_zero"]  # SDPA on the CPU gives 0 too (see below)
     assert res["empty_rows"] == int((~dense.any(dim=1)).sum())
 
 
@@ -136,3 +141,91 @@ def test_flex_attention_matches_sdpa_cuda_compiled():
         res = MT.flex_vs_sdpa(mod, dense, device="cuda", compile=True,
                               generator=torch.Generator().manual_seed(0))
         assert res["max_abs_diff"] < 2e-3, name
+
+
+# ------------------------------------------------------- SDPA on rows with no key
+def _reference_attention(q, k, v, mask):
+    """float64 softmax attention row by row over the allowed keys only (None: no key)."""
+    q, k, v = q.double(), k.double(), v.double()
+    out = [[None] * q.shape[-2] for _ in range(q.shape[1])]
+    for h in range(q.shape[1]):
+        for row in range(q.shape[-2]):
+            keys = torch.nonzero(mask[row]).ravel()
+            if keys.numel():
+                scores = k[0, h, keys] @ q[0, h, row] / math.sqrt(q.shape[-1])
+                out[h][row] = torch.softmax(scores, 0) @ v[0, h, keys]
+    return out
+
+
+def _mask_with_empty_rows():
+    mask = M.random_mask(9, 0.4, generator=torch.Generator().manual_seed(5))
+    mask[[0, 4]] = False  # two queries with no key, one of them mid-sequence
+    return mask
+
+
+# What SDPA gives on a row with no allowed key, per backend, with torch 2.13 on the CPU.
+# A new torch that changes a line of this table fails the test below: then update the
+# module docstring of companion.masked_transformer and the Hasse chapter's FlexAttention
+# section, which state this behaviour.
+SDPA_CPU_EMPTY_ROWS = {
+    "default": "zero",
+    "MATH": "zero",  # the math backend's softmax zeroes fully masked rows
+    "FLASH_ATTENTION": "zero",
+    "EFFICIENT_ATTENTION": "unavailable on the CPU",
+    "CUDNN_ATTENTION": "unavailable on the CPU",
+}
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", list(SDPA_CPU_EMPTY_ROWS))
+def test_sdpa_output_on_rows_without_keys_per_cpu_backend(backend, dtype, mask_kind):
+    mask = _mask_with_empty_rows()
+    empty = ~mask.any(dim=1)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g, dtype=dtype).requires_grad_()
+               for _ in range(3))
+    attn_mask = mask if mask_kind == "bool" else torch.zeros(9, 9, dtype=dtype).masked_fill(
+        ~mask, float("-inf"))
+    expected = SDPA_CPU_EMPTY_ROWS[backend]
+    choice = (contextlib.nullcontext() if backend == "default"  # torch picks the backend
+              else sdpa_kernel(getattr(SDPBackend, backend)))
+    with choice:
+        if expected == "unavailable on the CPU":
+            with pytest.raises(RuntimeError, match="No viable backend"):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            return
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    assert expected == "zero"
+    assert torch.all(out[:, :, empty] == 0), "SDPA no longer returns 0 on rows without a key"
+    ref = _reference_attention(q.detach(), k.detach(), v.detach(), mask)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for h in range(2):
+        for row in torch.nonzero(~empty).ravel().tolist():
+            torch.testing.assert_close(out[0, h, row].double(), ref[h][row], rtol=tol, atol=tol)
+    out.sum().backward()
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all()
+    assert torch.all(q.grad[:, :, empty] == 0)  # the empty rows depend on nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_our_attention_agrees_with_sdpa_on_every_row(dtype):
+    """companion's masked attention gives SDPA's output, empty rows (zeros) included."""
+    mask = _mask_with_empty_rows()
+    d, heads = 8, 2
+    eye = torch.eye(d, dtype=dtype)
+    layer = {"wq": eye, "wk": eye, "wv": eye, "wo": eye}  # plain multi-head attention
+    g = torch.Generator().manual_seed(7)
+    h_q, h_kv = (torch.randn(9, d, generator=g, dtype=dtype) for _ in range(2))
+    ours = MT._attention(h_q, h_kv, mask, layer, heads)
+
+    def split(h):  # (P, d) -> (1, heads, P, d / heads)
+        return h.view(9, heads, d // heads).transpose(0, 1).unsqueeze(0)
+
+    sdpa = F.scaled_dot_product_attention(split(h_q), split(h_kv), split(h_kv),
+                                          attn_mask=mask)
+    sdpa = sdpa[0].transpose(0, 1).reshape(9, d)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(ours, sdpa, rtol=tol, atol=tol)
+    assert torch.all(ours[~mask.any(dim=1)] == 0)

@@ -3,10 +3,20 @@ a real network :cite:`li2026hasse`.
 
 The network is a pre-LayerNorm transformer: per layer
 ``h <- h + Attn(LN(h); mask)`` then ``h <- h + MLP(LN(h))`` with multi-head softmax
-attention restricted by the mask, and a final LayerNorm. Attention rows with no
-allowed key output zero (FlexAttention's convention; PyTorch SDPA returns NaN there).
-Masked scores are ``-inf`` so masked weights are exactly 0 and so are the gradients
-through them: a Jacobian entry is structurally zero exactly when no path exists.
+attention restricted by the mask, and a final LayerNorm. Masked scores are ``-inf`` so
+masked weights are exactly 0 and so are the gradients through them: a Jacobian entry is
+structurally zero exactly when no path exists.
+
+Rows with no allowed key (the chain's first query, say) output zero, with zero
+gradients. A plain softmax over a row of ``-inf`` is ``0/0 = NaN``, so the attention
+here sets the scores of such rows to 0 before the softmax (finite forward and backward)
+and multiplies the weights by the mask after it. Zero is also what FlexAttention returns,
+and what PyTorch SDPA returns on the CPU with torch 2.13 for a bool or an additive
+``-inf`` mask, in float32 and float64, with the default choice, the MATH backend (its
+softmax zeroes fully masked rows) and the FLASH_ATTENTION backend; EFFICIENT_ATTENTION and
+CUDNN_ATTENTION do not run on the CPU. Older torch releases and some CUDA kernels returned
+NaN there; ``tests/test_hasse_empirical.py`` pins the CPU behaviour per backend, and
+:func:`flex_vs_sdpa` reports what SDPA gave on empty rows on any device.
 
 Functions
 ---------
@@ -125,6 +135,8 @@ def _attention(h_q, h_kv, allowed, layer, n_heads):
     v = (h_kv @ layer["wv"]).view(-1, n_heads, hd).transpose(0, 1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    # A row with no allowed key would be softmax(-inf, ..., -inf) = 0/0: give it finite
+    # scores (so forward and backward stay finite) and zero its weights with the mask.
     empty = ~allowed.any(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1) * allowed
     out = (weights @ v).transpose(0, 1).reshape(-1, d)
@@ -278,8 +290,14 @@ def flex_vs_sdpa(mask_mod, dense_mask: torch.Tensor, *, n_heads: int = 2,
     """Run ``flex_attention`` with ``create_block_mask(mask_mod)`` and SDPA with the dense
     mask on the same random q, k, v; compare on rows that have at least one key.
 
-    Returns dict with ``max_abs_diff`` (non-empty rows), ``empty_rows`` (count) and
-    ``empty_rows_zero`` (FlexAttention returns 0 there; SDPA would return NaN).
+    Rows without a key are reported, not compared: their output is a convention of each
+    kernel (0 for FlexAttention, and for SDPA on the CPU with torch 2.13; NaN for older
+    SDPA releases and some CUDA kernels). Every row is computed independently, so a NaN
+    there would not reach the compared rows.
+
+    Returns dict with ``max_abs_diff`` (largest difference on non-empty rows),
+    ``empty_rows`` (count), ``empty_rows_zero`` (FlexAttention's output on them is all 0)
+    and ``sdpa_empty_rows_zero`` (SDPA's is all 0; False when it is NaN or anything else).
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -293,11 +311,11 @@ def flex_vs_sdpa(mask_mod, dense_mask: torch.Tensor, *, n_heads: int = 2,
     fn = torch.compile(flex_attention) if compile else flex_attention
     out_flex = fn(q, k, v, block_mask=block_mask)
     nonempty = dense_mask.any(dim=1)
-    safe = dense_mask | ~nonempty[:, None]  # SDPA gets a dummy key on empty rows
-    out_sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=safe)
+    out_sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)
     diff = (out_flex - out_sdpa)[:, :, nonempty].abs().max().item() if nonempty.any() else 0.0
     return {
         "max_abs_diff": diff,
         "empty_rows": int((~nonempty).sum()),
         "empty_rows_zero": bool((out_flex[:, :, ~nonempty] == 0).all()),
+        "sdpa_empty_rows_zero": bool((out_sdpa[:, :, ~nonempty] == 0).all()),
     }
