@@ -157,6 +157,24 @@ def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, reg
                             what="martingale_increment")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_drift_symmetric_to_rounding_is_accepted_in_both_dtypes(dtype):
+    """A drift Q diag Q^T is symmetric up to the dtype's rounding, like weights built the
+    same way: both are accepted; a really asymmetric drift is refused in both dtypes."""
+    x, D = state_in(dtype, 5, 2)
+    g = torch.Generator().manual_seed(4)
+    Q = torch.linalg.qr(torch.randn(2, 2, 3, 3, generator=g, dtype=torch.float64))[0]
+    eig = torch.randn(2, 2, 3, generator=g, dtype=torch.float64)
+    f = (Q.to(dtype) @ torch.diag_embed(eig.to(dtype)) @ Q.to(dtype).transpose(-1, -2))
+    q = gf.step_quantities(x, D, drift=f)
+    ref, _ = reference_step(x.double().numpy(), D.double().numpy(), f.double().numpy(), 0.0,
+                            np.zeros((2, 2, 3, 3)), 0.05, -1)
+    assert_close_scaled(q["energy_rate"], ref["rate"], DTYPE_RTOL[dtype], what="energy_rate")
+    skew = f + 0.01 * torch.triu(torch.ones_like(f), 1)
+    with pytest.raises(ValueError, match="drift: expected symmetric matrices"):
+        gf.step_quantities(x, D, drift=skew)
+
+
 def reference_simulate(x, D, regime, sigma, noise, steps, dt, sign):
     """float64 loop of the scheme: projected Euler for the tokens, Euler–Maruyama for the
     weights, left-point integrals of G^2, D and dE/dt, the martingale summed over steps.
