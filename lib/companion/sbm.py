@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,18 +52,65 @@ __all__ = [
     "density_regularizer",
     "dense_masked_attention",
     "DUPLICATE_POLICIES",
+    "FastRGTuning",
 ]
 
 DUPLICATE_POLICIES = ("merge", "keep")
+KEY_DRAWS = ("auto", "rejection", "search")
+CPU_UNIFORM_SOURCES = ("numpy", "torch")
 
-# fastRG keeps the key weights (or their inverse-CDF table) of (groups x clusters) rows of
-# m keys at a time; groups are processed in blocks so that these stay below this many entries
-_TABLE_BLOCK_ENTRIES = 1 << 22
-# keys are drawn by rejection from the uniform proposal when every row of a block accepts
-# at least this fraction of proposals (mean / max weight), else by inverse-CDF search
-_MIN_ACCEPTANCE = 1 / 8
-# edges drawn per step in step 2 (bounded scratch memory, cache-friendly look-ups)
-_DRAW_BLOCK = 1 << 18
+
+@dataclass(frozen=True)
+class FastRGTuning:
+    """Speed and memory knobs of :func:`fastrg_sample`; none changes the distribution.
+
+    For a fixed seed the graph depends on the tuning (the uniforms are consumed in a
+    different order), but every tuning samples the same law ``A ~ Poisson(P)``.
+
+    Parameters
+    ----------
+    table_block_entries : int >= 1
+        Groups are processed in blocks whose key tables (``groups x clusters x m``
+        entries) stay below this size (at least one group per block).
+    draw_block : int >= 1
+        About this many edges get their keys drawn per step (bounded scratch memory).
+    key_draw : ``"auto"`` (default), ``"rejection"`` or ``"search"``
+        How keys are drawn.  ``"rejection"``: propose uniformly, accept with probability
+        ``Khat_jb / max_j Khat_jb`` (exact, expected ``max / mean`` proposals per edge);
+        ``"search"``: inverse-CDF search; ``"auto"``: rejection for a block of groups
+        when every key cluster in it accepts at least ``min_acceptance`` of the
+        proposals, else search.
+    min_acceptance : float in ``[0, 1]``
+        The ``"auto"`` threshold (default 1/8).
+    cpu_uniforms : ``"numpy"`` (default) or ``"torch"``
+        On CPU, uniforms and index compaction from numpy's PCG64 (seeded by the torch
+        generator; several times faster) or from torch's generator and kernels (the path
+        CUDA always takes).
+    """
+
+    table_block_entries: int = 1 << 22
+    draw_block: int = 1 << 18
+    key_draw: str = "auto"
+    min_acceptance: float = 1 / 8
+    cpu_uniforms: str = "numpy"
+
+    def __post_init__(self):
+        for name in ("table_block_entries", "draw_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.key_draw not in KEY_DRAWS:
+            raise ValueError(f"key_draw: expected one of {KEY_DRAWS}, got {self.key_draw!r}")
+        accept = self.min_acceptance
+        if not isinstance(accept, (int, float)) or isinstance(accept, bool) or not 0 <= accept <= 1:
+            raise ValueError(f"min_acceptance: expected a float in [0, 1], got {accept!r}")
+        if self.cpu_uniforms not in CPU_UNIFORM_SOURCES:
+            raise ValueError(
+                f"cpu_uniforms: expected one of {CPU_UNIFORM_SOURCES}, got {self.cpu_uniforms!r}"
+            )
+
+
+DEFAULT_TUNING = FastRGTuning()
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,6 +217,7 @@ def fastrg_sample(
     *,
     duplicates: str = "keep",
     self_loops: bool = False,
+    tuning: FastRGTuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample the bipartite graph ``A ~ Qhat S Khat^T`` with fastRG, as an edge list.
 
@@ -192,9 +241,10 @@ def fastrg_sample(
     uniformly, accept with probability ``Khat_jb / max_j Khat_jb``: exact, nothing to
     search, about two look-ups per edge for sigmoid memberships) when every key cluster
     of a block of groups accepts at least 1/8 of the proposals; otherwise (skewed
-    clusters) by an inverse-CDF search over the cumulative sums of ``Khat[:, b]``.  On
-    CPU the uniforms come from numpy's PCG64 seeded by the torch generator (see
-    :class:`_RandomSource`): the same seed gives the same graph.
+    clusters) by an inverse-CDF search over the cumulative sums of ``Khat[:, b]``
+    (``tuning`` can force either).  On CPU the uniforms come from numpy's PCG64 seeded
+    by the torch generator (see :class:`_RandomSource`): the same seed (and tuning)
+    gives the same graph.  The inputs are only read, never written.
 
     Parameters
     ----------
@@ -213,6 +263,9 @@ def fastrg_sample(
         ``(i, i)`` (once, appended in order), so no query is left without an edge.  If
         False (default) a query may get no edge; :func:`edge_attention` then returns a
         zero output row for it.
+    tuning : :class:`FastRGTuning`, optional
+        Block sizes, the key-draw method and the CPU uniform source (speed and memory
+        only: every tuning samples the same distribution).
 
     Returns
     -------
@@ -225,6 +278,8 @@ def fastrg_sample(
     ValueError
         On shape mismatches, empty sequences, negative/NaN/infinite entries, an unknown
         ``duplicates`` policy, or ``self_loops`` with ``n != m``.
+    TypeError
+        If ``tuning`` is not a :class:`FastRGTuning`.
 
     Complexity
     ----------
@@ -234,6 +289,8 @@ def fastrg_sample(
     """
     if duplicates not in DUPLICATE_POLICIES:
         raise ValueError(f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}")
+    if not isinstance(tuning, FastRGTuning):
+        raise TypeError(f"tuning: expected a FastRGTuning, got {type(tuning).__name__}")
     qm, sg, km, _ = _groups(q_membership, s, k_membership)
     for name, t in (("q_membership", qm), ("s", sg), ("k_membership", km)):
         # one pass: min and max are NaN if any entry is, and the comparisons then fail
@@ -249,6 +306,8 @@ def fastrg_sample(
     device = qm.device
 
     with torch.no_grad():
+        # views of the caller's tensors (and, for float64 input, every ``.to(float64)``
+        # below is one too): nothing derived from them may be written in place
         qm, km, sg = qm.detach(), km.detach(), sg.detach()
         work = torch.promote_types(qm.dtype, torch.float32)
         k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
@@ -261,7 +320,7 @@ def fastrg_sample(
             raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
         # Poisson splitting: the edges of each (query, key cluster) cell are independent
         # Poisson counts; enumerating the cells in order sorts edges by (group, query, b).
-        draws = _RandomSource(device, generator)
+        draws = _RandomSource(device, generator, tuning.cpu_uniforms)
         counts = draws.poisson(q_weight.reshape(-1))
         del q_weight
         ends = torch.cumsum(counts, 0)  # edges of cell c are ends[c] - counts[c] .. ends[c]
@@ -283,8 +342,8 @@ def fastrg_sample(
         # enough (a table of acceptance probabilities, one look-up per proposal), else by
         # inverse-CDF search
         cells_per_group = n * kc
-        per_block = max(1, _TABLE_BLOCK_ENTRIES // (m * kc))
-        cells_per_step = max(kc, _DRAW_BLOCK * counts.numel() // max(num_edges, 1))
+        per_block = max(1, tuning.table_block_entries // (m * kc))
+        cells_per_step = max(kc, tuning.draw_block * counts.numel() // max(num_edges, 1))
         for g0 in range(0, num_groups, per_block):
             g1 = min(g0 + per_block, num_groups)
             accept = cdf = last = cell_base = None
@@ -294,20 +353,32 @@ def fastrg_sample(
                 if e1 == e0:
                     continue
                 if cell_base is None:
+                    # a view of k_membership whenever the block holds one group (the
+                    # size-1 dim lets reshape skip the copy): read only
                     weights = km[g0:g1].transpose(1, 2).reshape((g1 - g0) * kc, m)
                     row_max = weights.amax(1).to(torch.float64)
-                    row_mean = weights.sum(1, dtype=torch.float64) / m
                     used = row_max > 0  # rows without mass are never asked for
-                    acceptance = row_mean[used] / row_max[used]
-                    if acceptance.numel() and float(acceptance.min()) < _MIN_ACCEPTANCE:
+                    if tuning.key_draw == "auto":
+                        row_mean = weights.sum(1, dtype=torch.float64) / m
+                        acceptance = row_mean[used] / row_max[used]
+                        search = bool(acceptance.numel()) and bool(
+                            acceptance.min() < tuning.min_acceptance
+                        )
+                        del row_mean, acceptance
+                    else:
+                        search = tuning.key_draw == "search"
+                    if search:
                         cdf, last = _cdf_table(weights)
                     else:
                         # acceptance probability of key j in row r: weight / row max
-                        # (float64: the coin is compared exactly); unused rows get 0
-                        accept = weights.to(torch.float64).div_(
-                            torch.where(used, row_max, 1.0)[:, None]
+                        # (float64: the coin is compared exactly); unused rows get 0.
+                        # Out of place: for float64 input ``weights.to(float64)`` is the
+                        # caller's k_membership itself, which an in-place division
+                        # would scale up (too many edges in this and later calls)
+                        accept = torch.div(
+                            weights.to(torch.float64), torch.where(used, row_max, 1.0)[:, None]
                         ).reshape(-1)
-                    del weights, row_max, row_mean, used, acceptance
+                    del weights, row_max, used
                     # offset of table row (group - g0) * kc + b in the flat table, for
                     # every cell (group, query, b) of the block: one pass per block
                     rows = torch.arange(g1 - g0, device=device)[:, None, None] * kc
@@ -337,25 +408,22 @@ def fastrg_sample(
     return group, query, key
 
 
-# use numpy's generator and index compaction for the CPU draws (tests also check "torch")
-_CPU_DRAWS = "numpy"
-
-
 class _RandomSource:
     """Uniforms, Poisson counts and index compaction for the sampler, on one device.
 
-    On CPU the random numbers come from numpy's PCG64, seeded by one 63-bit draw from the
-    caller's ``torch.Generator`` (or torch's global one), so a graph stays reproducible
-    from the torch seed; here numpy's generator is about three times faster than torch's
-    CPU Mersenne Twister, and ``np.flatnonzero`` about nine times faster than
-    ``torch.nonzero``, the two costs that dominated the key draws.  Elsewhere (CUDA) torch's
-    own generator and kernels are used.
+    On CPU with ``cpu_uniforms="numpy"`` (the default of :class:`FastRGTuning`) the
+    uniforms come from numpy's PCG64, seeded by one 63-bit draw from the caller's
+    ``torch.Generator`` (or torch's global one), so a graph stays reproducible from the
+    torch seed; here numpy's generator is about three times faster than torch's CPU
+    Mersenne Twister, and ``np.flatnonzero`` about nine times faster than
+    ``torch.nonzero``, the two costs that dominated the key draws.  Otherwise (CUDA, or
+    ``cpu_uniforms="torch"``) torch's own generator and kernels are used.
     """
 
-    def __init__(self, device: torch.device, generator: torch.Generator | None):
+    def __init__(self, device: torch.device, generator: torch.Generator | None, cpu_uniforms: str):
         self.device, self.generator = device, generator
         self.rng = None
-        if device.type == "cpu" and _CPU_DRAWS == "numpy":
+        if device.type == "cpu" and cpu_uniforms == "numpy":
             seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
             self.rng = np.random.Generator(np.random.PCG64(seed))
 
