@@ -860,7 +860,9 @@ def pairwise_inner_stats(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     """Min and mean of ``<x_i, x_j>`` over pairs ``i != j`` for tokens ``[..., n, d]``."""
     check_tensor("tokens", tokens, min_ndim=2, floating=True, shape_text="[..., n, d]")
     if tokens.shape[-2] < 2:
-        raise ValueError(f"tokens: expected n >= 2 tokens for pairs, got shape {tuple(tokens.shape)}")
+        raise ValueError(
+            f"tokens: expected n >= 2 tokens for pairs, got shape {tuple(tokens.shape)}"
+        )
     g = tokens @ tokens.transpose(-1, -2)
     n = tokens.shape[-2]
     off = ~torch.eye(n, dtype=torch.bool, device=tokens.device)

@@ -207,14 +207,14 @@ def xlnet_two_stream(order: Sequence[int] | torch.Tensor, *, device=None) -> Two
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"order: expected a permutation of 0..n-1, got {describe(order)}") from exc
     check_tensor("order", order_t)
-    if order_t.is_floating_point() or order_t.is_complex() or order_t.dtype == torch.bool:
-        # a float would be truncated to a position silently
-        raise TypeError(f"order: expected integer positions, got dtype {order_t.dtype}")
-    order_t = order_t.to(device=device, dtype=torch.long)
     if order_t.dim() != 1 or order_t.numel() == 0:
         raise ValueError(
             f"order: expected a non-empty 1-D permutation, got shape {tuple(order_t.shape)}"
         )
+    if order_t.is_floating_point() or order_t.is_complex() or order_t.dtype == torch.bool:
+        # a float would be truncated to a position silently
+        raise TypeError(f"order: expected integer positions, got dtype {order_t.dtype}")
+    order_t = order_t.to(device=device, dtype=torch.long)
     n = order_t.numel()
     if not torch.equal(torch.sort(order_t).values, torch.arange(n, device=order_t.device)):
         raise ValueError(f"order: expected a permutation of 0..{n - 1}, got {order_t.tolist()}")
