@@ -80,6 +80,7 @@ def _small_windows(tok, length=24):
 # ------------------------------------------------------------------ head outputs
 
 
+@torch.no_grad()
 def _reference_heads(model, batch):
     """Per-head outputs and maps recomputed in float64 from the self-attention inputs."""
     layers = cs.encoder_layers(model)
@@ -635,6 +636,137 @@ def test_merge_is_associative_and_equals_streaming():
         left.merge(SimilarityStats(**{**cfg, "percentile": 2.0}))
 
 
+# ------------------------------------------------------------------ both dtypes
+
+
+@pytest.fixture(scope="module")
+def odd_model_dir(tmp_path_factory, minilm64):
+    """A random BERT of odd sizes (3 layers, 3 heads of size 5), saved like a checkpoint."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(1)
+    _, tok = minilm64
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=15, num_hidden_layers=3,
+                     num_attention_heads=3, intermediate_size=22, max_position_embeddings=40,
+                     initializer_range=0.3)  # similarities of order 1, not 0.01
+    path = tmp_path_factory.mktemp("odd-bert")
+    BertModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _odd_batch(t=33):
+    """Windows [CLS] content [SEP] padding with 31, 12, 1 and 20 content tokens, random
+    words, '.' and ',' among them, sentences of 1-6 tokens."""
+    gen = torch.Generator().manual_seed(5)
+    n_content = (t - 2, 12, 1, 20)
+    b = len(n_content)
+    ids = torch.randint(1996, 3000, (b, t), generator=gen)
+    ids[torch.rand(b, t, generator=gen) < 0.15] = 1012  # '.'
+    ids[torch.rand(b, t, generator=gen) < 0.1] = 1010  # ','
+    mask = torch.zeros(b, t, dtype=torch.long)
+    sent = torch.full((b, t), -1)
+    for w, n in enumerate(n_content):
+        mask[w, :n + 2] = 1
+        ids[w, 0], ids[w, n + 1], ids[w, n + 2:] = 101, 102, 0
+        ends = torch.randint(1, 7, (t,), generator=gen).cumsum(0)
+        sent[w, 1:n + 1] = torch.bucketize(torch.arange(n), ends, right=True)
+    return {"input_ids": ids, "attention_mask": mask, "sentence_ids": sent}
+
+
+def _assert_top_k_within(v, i, j, ref, valid, k, tol):
+    """Tie-robust top-k check against float64 similarities ``ref`` [B, L, H, T, T]: the
+    values are the k largest of the reference up to ``tol``, each at its own pair (i < j,
+    both valid, no pair twice); the slots beyond a window's pairs are fillers."""
+    b, t = valid.shape
+    iu, ju = torch.triu_indices(t, t, 1)
+    ok = valid[:, iu] & valid[:, ju]
+    upper = ref[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf"))
+    best = upper.topk(k, dim=-1).values
+    at_pairs = ref.flatten(-2).gather(-1, i * t + j)
+    for w in range(b):
+        kw = min(k, int(ok[w].sum()))
+        torch.testing.assert_close(v[w, ..., :kw].double(), best[w, ..., :kw], **tol)
+        torch.testing.assert_close(v[w, ..., :kw].double(), at_pairs[w, ..., :kw], **tol)
+        iw, jw = i[w, ..., :kw], j[w, ..., :kw]
+        assert (iw < jw).all() and valid[w, iw].all() and valid[w, jw].all()
+        keys = (iw * t + jw).sort(-1).values
+        assert (keys[..., 1:] != keys[..., :-1]).all()
+        assert v[w, ..., kw:].isneginf().all() and (i[w, ..., kw:] == 0).all()
+        assert (j[w, ..., kw:] == 0).all()
+    return best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_in_both_dtypes_against_a_float64_reference(odd_model_dir, dtype):
+    """Per-head outputs and maps, Gram products with zeroed diagonal (pre- and post-W_O),
+    top pairs and statistics of a float32 and a float64 model, odd sizes (T = 33, head
+    size 5) and padding, against the per-head reference in float64."""
+    model, tok = load_encoder(odd_model_dir, device="cpu", dtype=dtype)
+    assert next(model.parameters()).dtype == dtype
+    # outputs of order 1, similarities of order 10 (float32 errors about 1e-6 and 1e-5)
+    tol = (dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32
+           else dict(atol=1e-11, rtol=1e-10))
+    batch = _odd_batch()
+    valid = batch["attention_mask"].bool() & (batch["sentence_ids"] >= 0)
+    res = analyse_batch(model, batch)
+    z_ref, a_ref = _reference_heads(model, batch)
+    assert res.outputs.dtype == dtype and res.attentions[0].dtype == dtype
+    torch.testing.assert_close(res.outputs.double(), z_ref, **tol)
+    torch.testing.assert_close(torch.stack(res.attentions, 1).double(), a_ref, **tol)
+
+    gram = wo_gram(model)
+    assert gram.dtype == dtype
+    w_o = torch.stack([layer.attention.output.dense.weight.double().view(15, 3, 5)
+                       for layer in cs.encoder_layers(model)])  # [L, D, H, d]
+    gram_ref = torch.einsum("lohd,lohe->lhde", w_o, w_o)
+    for metric, metric_ref in ((None, None), (gram, gram_ref)):
+        left = z_ref if metric_ref is None else z_ref @ metric_ref
+        ref = left @ z_ref.transpose(-1, -2)
+        ref.diagonal(dim1=-2, dim2=-1).zero_()
+        sims = similarity_matrices(res.outputs, metric=metric)
+        assert sims.dtype == dtype and (sims.diagonal(dim1=-2, dim2=-1) == 0).all()
+        torch.testing.assert_close(sims.double(), ref, **tol)
+        for k, segment in ((5, 32), (40, 4), (500, 16)):  # 500: more than most windows hold
+            v, i, j, total = top_pairs(res.outputs, valid, k, metric=metric, segment=segment,
+                                       return_sum=True)
+            assert v.dtype == dtype
+            torch.testing.assert_close(total.double(), ref.sum(0), **tol)
+            _assert_top_k_within(v, i, j, ref, valid, k, tol)
+
+    seps = cs.separator_ids(tok)
+    percentile = 10.0
+    stats = SimilarityStats(3, 3, 33, tok.vocab_size, percentile=percentile,
+                            separators=seps).update(res)
+    ref_res = res._replace(outputs=z_ref, attentions=a_ref)
+    expected = _reference_stats(ref_res, percentile, 0.1, seps, tok.vocab_size)
+    # the counts are defined only if no selected pair ties with the next one or sits at the
+    # attention threshold within the error bound asserted above (similarities and maps
+    # within atol + rtol |x| of the reference): check the data has no such near-tie
+    def bound(x):
+        return tol["atol"] + tol["rtol"] * x.abs()
+
+    sims_ref = z_ref @ z_ref.transpose(-1, -2)
+    for w in range(4):
+        n = int(valid[w].sum())
+        if n < 3:  # at most one pair: nothing to rank
+            continue
+        k = max(1, round(n * (n - 1) / 2 * percentile / 100))  # below the n(n-1)/2 pairs
+        tokens = valid[w].nonzero().squeeze(1).tolist()
+        idx = torch.tensor([(a, c) for x, a in enumerate(tokens) for c in tokens[x + 1:]])
+        ranked, order = sims_ref[w][..., idx[:, 0], idx[:, 1]].sort(-1, descending=True)
+        above, below = ranked[..., k - 1], ranked[..., k]
+        assert ((above - below) > bound(above) + bound(below)).all()
+        sym = torch.maximum(a_ref[w], a_ref[w].transpose(-1, -2)).flatten(-2)  # [L, H, T T]
+        att_top = sym[..., idx[:, 0] * 33 + idx[:, 1]].gather(-1, order[..., :k])
+        assert ((att_top - 0.1).abs() > bound(att_top)).all()
+    for name, value in stats.tensors().items():
+        torch.testing.assert_close(value.double(), expected[name],
+                                   **(tol if value.is_floating_point() else dict(atol=0, rtol=0)),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert int(stats.n_high.sum()) > 0 and int(stats.identical.sum()) > 0
+
+
 # ------------------------------------------------------------------ distributed
 
 
@@ -775,3 +907,30 @@ def test_analyse_corpus_on_real_windows_is_consistent(minilm64):
                                                  again.tensors().values()))
     cs.clear_workspaces()
     assert not cs._SHARED_WORKSPACES
+
+
+def test_analyse_corpus_on_full_and_padded_windows_at_any_batch_size(minilm64):
+    """Issue 11: a full window next to short padded ones (fewer pairs than the full one's
+    k; one content token; none) crashed at batch size 2. Batch sizes 1, 2 and 3 give the
+    brute-force reference."""
+    model, tok = minilm64
+    full = _small_windows(tok)
+    enc = tok(["Dogs bark at night.", "Hi", "", "The cat sat on the mat, then it slept."],
+              padding="max_length", max_length=full.length, return_tensors="pt",
+              return_special_tokens_mask=True)
+    content = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()
+    labels = torch.where(content, 0, -1)
+    short = Windows(enc["input_ids"], enc["attention_mask"], labels, labels)
+    mixed = Windows.concat([full[:1], short[:3], full[1:2], short[3:]])
+    seps = cs.separator_ids(tok)
+    res = analyse_batch(model, mixed)
+    ref = _reference_stats(res._replace(attentions=torch.stack(res.attentions, 1)), 10.0, 0.1,
+                           seps, model.config.vocab_size)
+    assert content.sum(1).tolist() == [5, 1, 0, 11]  # 10, 0, 0 and 55 pairs
+    assert int(ref["n_windows"]) == 6 and int(ref["n_high"][0, 0]) == 2 * 23 + 1 + 0 + 0 + 6
+    for size in (1, 2, 3):
+        stats = analyse_corpus(model, mixed, separators=seps, batch_size=size,
+                               percentile=10.0, progress=False)
+        for name, value in stats.tensors().items():
+            torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
+                                       msg=lambda m, name=name: f"size {size}, {name}: {m}")
