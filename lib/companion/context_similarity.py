@@ -1204,6 +1204,9 @@ class SimilarityStats:
         b, n_l, n_h, k_max = pi.shape
         t_len = ids.shape[1]
         dev = pi.device
+        # window b keeps its first k[b] <= min(k_max, its pairs) entries; every entry is
+        # gathered and then weighed by sel (no boolean indexing): the entries beyond a
+        # window's pairs are top_pairs' fillers i = j = 0, in range for every gather below
         sel = (torch.arange(k_max, device=dev) < k[:, None])[:, None, None, :]
         sel = sel.expand(b, n_l, n_h, k_max)
         flat_i, flat_j = pi.reshape(b, -1), pj.reshape(b, -1)  # [B, L*H*k]
