@@ -151,28 +151,228 @@ def test_cli_failure_exits_nonzero(demo_project):
     assert "[FAILED" in proc.stdout and "RuntimeError" in proc.stdout
 
 
-def test_interrupt_leaves_no_partial_files(demo_project):
-    p = demo_project
+# --------------------------------------------------------------------------- interrupts
+# Every wait below is for an event (a marker file, a line of output, a process ending);
+# the deadlines are safety nets for a broken run, never part of what is tested.
+SAFETY_DEADLINE = 300.0
+
+
+def _published(p) -> dict[str, bytes]:
+    """Every published file (notebook, assets, run record, log) and its bytes."""
+    return {str(f.relative_to(p.generated)): f.read_bytes() for f in p.generated.rglob("*")
+            if f.is_file() and not str(f.relative_to(p.generated)).startswith(("locks", ".staging"))}
+
+
+def _leftovers(p) -> list[str]:
+    return [str(f) for f in p.generated.rglob("*")
+            if ".staging" in f.parts or f.name.endswith(".tmp") or ".old-" in f.name]
+
+
+def _wait_for(condition, what: str, proc=None) -> None:
+    deadline = time.monotonic() + SAFETY_DEADLINE
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (rc {proc.returncode}) before {what}:\n{out}\n{err}")
+        assert time.monotonic() < deadline, f"safety deadline: {what} never happened"
+        time.sleep(0.05)
+
+
+def _pid_gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _start_run(p, *args, env_extra=None):
+    """``python -m companion run demo`` in its own session (so killpg is a terminal Ctrl-C)."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "companion", "run", "demo", "--root",
+                             str(p.root), "--scale", "smoke", "--force", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def interrupt_project(tmp_path_factory):
+    """One project with one good run, shared by the interrupt tests (each compares to
+    what is published when it starts)."""
+    from conftest import FIXTURE_CHAPTERS, make_project
+
+    root = make_project(tmp_path_factory.mktemp("interrupts") / "book-project",
+                        {"demo": FIXTURE_CHAPTERS / "demo.md"})
+    p = runner.Project(root)
     assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
-    published = {f: f.read_bytes() for f in p.generated.rglob("*") if f.is_file()}
-    proc = subprocess.Popen([sys.executable, "-m", "companion", "run", "demo", "--root",
-                             str(p.root), "--scale", "smoke", "--force", "-p",
-                             "sleep_seconds", "30"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (p.generated / ".staging").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(3)  # let the kernel start executing
+    return p
+
+
+def _assert_unchanged(p, before: dict[str, bytes], proc) -> None:
+    after = _published(p)
+    assert sorted(after) == sorted(before), "no published file added or removed"
+    changed = [f for f in before if after[f] != before[f]]
+    assert not changed, f"published files changed by an interrupted run: {changed}"
+    assert not _leftovers(p), _leftovers(p)
+
+
+@pytest.mark.parametrize("point", ["python-start-up", "kernel-start", "cell-sigint-group",
+                                   "cell-sigterm"])
+def test_interrupt_leaves_published_outputs_byte_identical(interrupt_project, tmp_path, point):
+    p = interrupt_project
+    before = _published(p)
+    marker = tmp_path / "marker"
+    if point == "python-start-up":
+        proc = _start_run(p)
+        os.kill(proc.pid, signal.SIGINT)  # at once: during start-up or imports
+        expected = None  # -2 before our handler is installed, 130 after: non-zero
+    elif point == "kernel-start":
+        proc = _start_run(p, env_extra={runner.ENV_TEST_PAUSE_AT: f"kernel-start:{marker}"})
+        _wait_for(marker.exists, "the run reached kernel start-up", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        expected = 130
+    else:
+        proc = _start_run(p, "-p", "marker", str(marker), "-p", "sleep_seconds", "600")
+        _wait_for(marker.exists, "the kernel executed the compute cell", proc)
+        if point == "cell-sigint-group":  # Ctrl-C at a terminal: the whole process group
+            os.killpg(proc.pid, signal.SIGINT)
+            expected = 130
+        else:  # what build sends its child runs
+            os.kill(proc.pid, signal.SIGTERM)
+            expected = 143
+    out, err = proc.communicate(timeout=SAFETY_DEADLINE)
+    assert proc.returncode != 0, f"an interrupt was lost:\n{out}\n{err}"
+    if expected is not None:
+        assert proc.returncode == expected, err
+        assert "interrupted" in err
+    _assert_unchanged(p, before, proc)
+    if marker.exists() and point.startswith("cell"):
+        kernel = json.loads(marker.read_text())["kernel"]
+        _wait_for(lambda: _pid_gone(kernel), "the kernel ended")
+
+
+def test_interrupt_during_publishing_publishes_everything(interrupt_project, tmp_path):
+    """A signal while publishing is taken once publishing has finished: all new, exit 130."""
+    p = interrupt_project
+    before = _published(p)
+    old_record = json.loads(p.run_record("demo").read_text())
+    marker = tmp_path / "publishing"
+    proc = _start_run(p, env_extra={runner.ENV_TEST_PAUSE_AT: f"publish:{marker}"})
+    _wait_for(marker.exists, "the run started publishing", proc)
     os.kill(proc.pid, signal.SIGINT)
-    proc.wait(timeout=60)
-    assert proc.returncode != 0
-    assert not (p.generated / ".staging").exists(), "staging folder removed on Ctrl-C"
-    for f, data in published.items():
-        if f.parent.name in ("runs", "logs") or f.name.endswith(".ipynb"):
-            continue
-        assert f.read_bytes() == data, f"{f} changed"
-    leftovers = [f for f in p.generated.rglob("*.tmp")]
-    assert not leftovers
+    out, err = proc.communicate(timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 130, err
+    after = _published(p)
+    assert sorted(after) == sorted(before), "the same set of files, all of them"
+    record = json.loads(p.run_record("demo").read_text())
+    assert record["status"] == "ok" and record["started"] != old_record["started"]
+    nb = p.notebook("demo").read_text()
+    assert record["finished"] in nb, "the notebook is the one of the new run record"
+    png = "assets/demo/figures/demo-random-walk.png"
+    assert after[png] == before[png], "same seed: the new figure has the same bytes"
+    assert not _leftovers(p)
+
+
+def test_interrupt_of_build_stops_its_runs(interrupt_project, tmp_path):
+    p = interrupt_project
+    before = _published(p)
+    marker = tmp_path / "marker"
+    src = p.source("demo")
+    original = src.read_text()
+    # build takes no chapter parameters: give the copy's defaults a marker and a long sleep.
+    src.write_text(original.replace('marker = ""', f'marker = "{marker}"')
+                   .replace("sleep_seconds = 0.0", "sleep_seconds = 600.0"))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
+                                 str(p.root), "--scale", "smoke"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        _wait_for(marker.exists, "the build's run executed the compute cell", proc)
+        pids = json.loads(marker.read_text())
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=SAFETY_DEADLINE)
+    finally:
+        src.write_text(original)
+    assert proc.returncode == 130, f"{out}\n{err}"
+    assert _pid_gone(pids["runner"]), "build waited for its child run to end"
+    _wait_for(lambda: _pid_gone(pids["kernel"]), "the child run's kernel ended")
+    _assert_unchanged(p, before, proc)
+
+
+# --------------------------------------------------------------------------- limits
+def test_hung_cell_times_out_naming_the_cell_and_marks_stale(interrupt_project):
+    p = interrupt_project
+    good = json.loads(p.run_record("demo").read_text())
+    assert good["status"] == "ok"
+    proc = _cli(p, "run", "demo", "--scale", "smoke", "--force", "-p", "hang", "true",
+                "--timeout", "5", timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 1, proc.stderr
+    record = json.loads(p.run_record("demo").read_text())
+    assert record["status"] == "failed"
+    nb = runner.read_notebook(p.source("demo"))
+    number = int(record["error"].split()[1])
+    assert record["error"] == f"cell {number} timed out after 5 s (raise the limit with " \
+        "--timeout SECONDS)"
+    assert "time.sleep(3600)" in nb.cells[number - 1].source, "the hanging cell is named"
+    assert record["last_good"]["started"] == good["started"]
+    page = p.notebook("demo").read_text()
+    assert runner.STALE_TAG in page and "timed out" in page
+    assert not _leftovers(p)
+    # Leave a good run for the other tests of the module.
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "nan", "inf", "soon"])
+def test_cli_rejects_bad_timeout(demo_project, bad):
+    for command in ("run", "build"):
+        args = [command, "demo"] if command == "run" else [command]
+        proc = _cli(demo_project, *args, f"--timeout={bad}")
+        assert proc.returncode == 2
+        assert "--timeout" in proc.stderr and "positive number of seconds" in proc.stderr
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
+def test_run_chapter_rejects_bad_timeout(demo_project, bad):
+    with pytest.raises(ChapterError, match="timeout: expected a positive number of seconds"):
+        run_chapter(demo_project, "demo", scale="smoke", timeout=bad, echo=quiet)
+
+
+def test_cuda_without_cuda_is_refused_before_anything_runs(interrupt_project):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    p = interrupt_project
+    before = _published(p)
+    for device in ("cuda", "cuda:1"):
+        proc = _cli(p, "run", "demo", "--scale", "smoke", "--force", "--device", device)
+        assert proc.returncode == 2, proc.stderr
+        assert f"device '{device}': CUDA is not available on this machine" in proc.stderr
+        assert "[start]" not in proc.stdout
+    proc = _cli(p, "build", "--scale", "smoke", "--device", "cuda")
+    assert proc.returncode == 2 and "CUDA is not available" in proc.stderr
+    assert _published(p) == before, "not marked stale; run record unchanged"
+
+
+def test_second_run_of_a_chapter_waits_for_the_first(interrupt_project):
+    """While another run holds the chapter's lock a run says it waits, and does."""
+    import filelock
+
+    p = interrupt_project
+    lock = filelock.FileLock(str(p.generated / "locks" / "demo.lock"))
+    with lock:
+        proc = _start_run(p)
+        first = proc.stdout.readline()  # blocks until the run prints (an event)
+        assert first.startswith("[waiting] demo: another run of this chapter holds"), first
+        assert not (p.generated / ".staging").exists(), "nothing started while it waits"
+        assert proc.poll() is None
+    out, err = proc.communicate(timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 0, err
+    assert "[ok" in out
+    record = json.loads(p.run_record("demo").read_text())
+    assert record["status"] == "ok"
+    assert json.loads(p.notebook("demo").read_text())["cells"], "a whole notebook"
+    assert not _leftovers(p)
 
 
 def test_staging_of_a_killed_run_is_removed(demo_project):

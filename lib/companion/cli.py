@@ -1,10 +1,22 @@
 """``python -m companion``: run chapters, build the book, check the built HTML.
 
     python -m companion run CHAPTER [--scale S] [--device D] [-p NAME VALUE]... [--force]
+                                    [--timeout SECONDS]
     python -m companion build [--scale S] [--device D] [--jobs N] [--chapters a,b] [--force]
+                              [--timeout SECONDS]
     python -m companion pages                 # regenerate figure index + report only
     python -m companion check-html [--build-dir DIR]
     python -m companion list                  # chapters and their parameters
+
+Exit codes: 0 success (check-html: also when skipped because Chromium or chromedriver
+is missing, with the reason printed); 1 a chapter failed (or check-html found a
+problem); 2 bad input (unknown chapter or parameter, bad --timeout, a CUDA device this
+machine lacks, no built book for check-html); 130 interrupted by Ctrl-C (SIGINT), 143
+by SIGTERM, with the published outputs whole.
+
+--timeout: the longest one cell may run, in seconds; by default smoke 600, ci 1800,
+paper 86400. A cell that runs longer fails the chapter, naming the cell.
+A second run of a chapter that is being run waits for the first (it says so).
 """
 from __future__ import annotations
 
@@ -13,7 +25,24 @@ import sys
 from pathlib import Path
 
 from companion.provenance import SCALES, repo_root
-from companion.runner import DEVICE_CHOICES, ChapterError, Project
+from companion.runner import (CELL_TIMEOUT_SECONDS, DEVICE_CHOICES, ChapterError, Project,
+                              RunInterrupted, install_interrupt_handlers, raise_if_interrupted)
+
+
+def _seconds(text: str) -> float:
+    """argparse type of --timeout: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+_TIMEOUT_HELP = ("longest time one cell may run, in seconds (default per scale: "
+                 + ", ".join(f"{k} {v:g}" for k, v in CELL_TIMEOUT_SECONDS.items()) + ")")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                      metavar=("NAME", "VALUE"), help="set a chapter parameter")
     run.add_argument("--force", action="store_true", help="re-execute even if cached")
     run.add_argument("--threads", type=int, default=None, help="torch threads for the kernel")
+    run.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                     help=_TIMEOUT_HELP)
     run.add_argument("--root", type=Path, default=None, dest="root_sub")
 
     build = sub.add_parser("build", help="execute the chapters, then build the HTML book")
@@ -39,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--jobs", type=int, default=1, help="chapters executed in parallel")
     build.add_argument("--chapters", default=None, help="comma-separated chapter names")
     build.add_argument("--force", action="store_true")
+    build.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                       help=_TIMEOUT_HELP)
     build.add_argument("--root", type=Path, default=None, dest="root_sub")
 
     pages = sub.add_parser("pages", help="regenerate the figure index and reproduction report")
@@ -54,6 +87,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First thing: SIGINT/SIGTERM become a recorded interrupt (see runner.interrupt_guard).
+    install_interrupt_handlers()
+    try:
+        code = _main(argv)
+        raise_if_interrupted()  # an interrupt swallowed on the way is still an interrupt
+        return code
+    except KeyboardInterrupt as exc:
+        print("interrupted: the published outputs are whole (the previous ones, or the "
+              "new ones where publishing had finished)", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, RunInterrupted) else 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     root = getattr(args, "root_sub", None) or args.root or repo_root()
     project = Project(root)
@@ -67,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise ChapterError(f"parameter {name!r} given twice")
                 overrides[name] = value
             result = run_chapter(project, args.chapter, scale=args.scale, device=args.device,
-                                 overrides=overrides, force=args.force, threads=args.threads)
+                                 overrides=overrides, force=args.force, threads=args.threads,
+                                 timeout=args.timeout)
             return 0 if result.status in ("ok", "cached") else 1
         if args.command == "build":
             from companion.runner import build
@@ -76,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.jobs < 1:
                 raise ChapterError(f"--jobs: expected a positive integer, got {args.jobs}")
             return build(project, scale=args.scale, device=args.device, jobs=args.jobs,
-                         chapters=chapters, force=args.force)
+                         chapters=chapters, force=args.force, timeout=args.timeout)
         if args.command == "pages":
             from companion.pages import write_generated_pages
 
@@ -88,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             build_dir = args.build_dir or project.build_dir / "html"
             report = check_book(project, build_dir)
             print(report.summary())
-            return 0 if report.ok else 1
+            return report.exit_code
         if args.command == "list":
             from companion.runner import parameters_cell_index, parse_parameters, read_notebook
 
@@ -100,9 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     except ChapterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: no partial outputs were published", file=sys.stderr)
-        return 130
     return 1
 
 

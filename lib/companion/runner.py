@@ -8,12 +8,30 @@ A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running
 2. skips the run when a cached good run has the same key (chapter source, ``lib/``
    sources, parameters and installed package versions), unless forced;
 3. executes it with papermill into a private staging folder, the chapter writing its
-   figures, tables and claims there (see :mod:`companion.provenance`);
+   figures, tables, claims and kernel log there (see :mod:`companion.provenance`);
 4. on success swaps the staging outputs into ``book/_generated/`` and adds a box with
    the parameters, scale, device, commit, run time and the command to re-execute;
 5. on failure keeps the previous good outputs, marks them stale (banner on the page and
    in the figure index), names the chapter, cell and exception, and exits non-zero.
-   Ctrl-C removes the staging folder and leaves every published file whole.
+
+Faults and limits:
+
+- **Interrupts.** SIGINT (Ctrl-C) and SIGTERM (what ``build`` sends its child runs) at
+  any moment stop the run: the kernel is killed, the staging folder removed, and the
+  published notebook, assets, run record and log are the previous ones byte for byte.
+  Publishing (and marking stale) is all-or-nothing: a signal that arrives while it is
+  under way is taken when it has finished, so the outputs are then the complete new
+  ones. The CLI exits 128 + the signal number (130 for SIGINT, 143 for SIGTERM). Why
+  it is done this way: see :func:`interrupt_guard`.
+- **Timeouts.** Each cell may run at most :data:`CELL_TIMEOUT_SECONDS` for the scale
+  (smoke 600 s, ci 1800 s, paper 86400 s), or ``--timeout SECONDS``. A cell that takes
+  longer fails the chapter ("cell N timed out after T s") and marks the page stale.
+- **Devices.** ``--device cuda`` or ``cuda:N`` on a machine without that CUDA device is
+  refused before anything is started or marked (a :class:`ChapterError`, exit 2).
+- **Concurrent runs.** One run per chapter at a time: ``book/_generated/locks/<name>.lock``
+  (a :class:`filelock.FileLock`). A second ``run`` or ``build`` of the same chapter
+  prints that it waits for the other run, then waits for it (Ctrl-C stops the wait),
+  and then proceeds, usually as a cache hit.
 
 Layout under ``book/_generated/``::
 
@@ -22,7 +40,15 @@ Layout under ``book/_generated/``::
     assets/<name>/tables/...    CSV/MD + JSON sidecars
     assets/<name>/claims/...    one JSON per claim
     runs/<name>.json            last run: status, cache key, parameters, commit, timings
-    logs/<name>.log             the kernel's output of the last run
+    logs/<name>.log             the kernel's output of the last run (not of an interrupted one)
+    locks/<name>.lock           held while a run of the chapter is under way (not published)
+
+For the tests only, ``COMPANION_TEST_PAUSE_AT=<point>:<marker path>`` makes a run stop
+at ``<point>`` (``kernel-start``: just before the kernel is launched; ``publish``: after
+the assets are swapped in, before the notebook is written), create the marker file and
+wait there until it is interrupted or ``<marker path>.release`` exists (see
+:func:`_test_pause`). Tests use it to send signals at moments they cannot otherwise
+hit deterministically.
 """
 from __future__ import annotations
 
@@ -34,8 +60,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,10 +76,24 @@ REQUIRED_PARAMETERS = ("scale", "seed", "device")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 STALE_TAG = "companion-stale-banner"
 BOX_TAG = "companion-run-box"
+# Longest time one cell may run, per scale, unless --timeout says otherwise. Generous:
+# they exist to stop a hung run, not to police a slow machine.
+CELL_TIMEOUT_SECONDS = {"smoke": 600.0, "ci": 1800.0, "paper": 86400.0}
+ENV_TEST_PAUSE_AT = "COMPANION_TEST_PAUSE_AT"
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class ChapterError(Exception):
     """A chapter could not be run: bad parameters, missing chapter, failed cell."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run was stopped by SIGINT or SIGTERM; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 # --------------------------------------------------------------------------- project
@@ -362,13 +404,290 @@ def _papermill_error(exc: BaseException, nb_cells_before: int) -> str:
     msg = evalue[-1] if evalue else ""
     idx = getattr(exc, "cell_index", None)
     if idx is not None:
-        # papermill inserts one 'injected-parameters' cell after the parameters cell;
-        # report the cell number of the chapter as written (1-based).
-        cell_no = idx + 1 - (1 if idx > nb_cells_before else 0)
-        return f"cell {cell_no} raised {ename}: {msg}"
+        return f"cell {_chapter_cell_number(idx, nb_cells_before)} raised {ename}: {msg}"
     return f"{ename}: {msg}"
 
 
+def _chapter_cell_number(executed_index: int, parameters_cell: int) -> int:
+    """The 1-based number, in the chapter as written, of a cell of the executed notebook.
+
+    papermill inserts one 'injected-parameters' cell after the parameters cell.
+    """
+    return executed_index + 1 - (1 if executed_index > parameters_cell else 0)
+
+
+# --------------------------------------------------------------------------- interrupts
+class _InterruptState:
+    """The first SIGINT/SIGTERM a run received, and whether it may raise right now."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferring = 0  # > 0 inside signals_deferred(): record, do not raise
+
+
+_INTERRUPT = _InterruptState()
+
+
+def _on_interrupt_signal(signum: int, _frame) -> None:
+    if _INTERRUPT.signum is None:
+        _INTERRUPT.signum = signum
+    if not _INTERRUPT.deferring:
+        raise RunInterrupted(signum)
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`RunInterrupted` if a signal has been recorded (even if swallowed)."""
+    if _INTERRUPT.signum is not None:
+        raise RunInterrupted(_INTERRUPT.signum)
+
+
+def install_interrupt_handlers() -> dict[int, Any]:
+    """Route SIGINT and SIGTERM to the interrupt record; returns the previous handlers.
+
+    Only the main thread can set handlers; elsewhere nothing is installed (and {} returned).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_interrupt_signal) for sig in INTERRUPT_SIGNALS}
+
+
+@contextlib.contextmanager
+def interrupt_guard():
+    """Make an interrupt a recorded state that no library can swallow.
+
+    A plain Ctrl-C is a KeyboardInterrupt raised inside whatever frame the main thread
+    happens to run, often deep in nbclient, jupyter_client or asyncio, whose clean-up
+    paths (re-running the event loop to shut the kernel down, retrying interrupted
+    calls) can replace or lose it; and SIGTERM would kill the process without clean-up.
+    Here both signals set a record first and then raise :class:`RunInterrupted`; the
+    notebook runs in a worker thread (:func:`_execute_notebook`), so the main thread,
+    where Python runs signal handlers, only waits in our own code when one arrives.
+    The record is checked again before publishing and when the guard exits, so even a
+    swallowed exception cannot turn an interrupted run into a success.
+    """
+    previous = install_interrupt_handlers()
+    outermost = not _INTERRUPT.deferring and previous.get(signal.SIGINT) is not _on_interrupt_signal
+    if outermost:
+        _INTERRUPT.signum = None
+    try:
+        yield
+        raise_if_interrupted()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Run the body whole: a signal arriving inside is recorded and raised at the end.
+
+    Used for publishing, marking stale and clean-up, which must not stop half-way (a
+    body that starts a change should call :func:`raise_if_interrupted` first). A
+    deferred Python handler rather than ``pthread_sigmask``: masking the main thread
+    would only move delivery to another thread, whose C handler still schedules the
+    Python handler on the main thread.
+    """
+    _INTERRUPT.deferring += 1
+    try:
+        yield
+    finally:
+        _INTERRUPT.deferring -= 1
+    raise_if_interrupted()
+
+
+def _test_pause(point: str, stop: threading.Event | None = None) -> None:
+    """The test hook of the module docstring (``COMPANION_TEST_PAUSE_AT``); else nothing."""
+    spec = os.environ.get(ENV_TEST_PAUSE_AT, "")
+    at, _, marker = spec.partition(":")
+    if at != point or not marker:
+        return
+    Path(marker).write_text(str(os.getpid()))
+    release = Path(marker + ".release")
+    while not release.exists():
+        if _INTERRUPT.signum is not None or (stop is not None and stop.is_set()):
+            break
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- kernel
+class _KernelTracker:
+    """The kernel a run launches, so that the main thread can kill it on an interrupt.
+
+    The kernel runs in its own session (jupyter_client starts it with
+    ``start_new_session``), so a Ctrl-C at the terminal never reaches it: it cannot turn
+    an interrupt into a failed cell. The kernel is killed with its whole process group.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pids: list[int] = []
+        self.stopped = threading.Event()
+
+    def manager_class(self):
+        """An AsyncKernelManager class that reports its kernel here (or refuses to start)."""
+        from jupyter_client.manager import AsyncKernelManager
+
+        tracker = self
+
+        class TrackedKernelManager(AsyncKernelManager):
+            async def start_kernel(self, **kw):
+                _test_pause("kernel-start", tracker.stopped)
+                if tracker.stopped.is_set():
+                    raise RuntimeError("the run was interrupted before the kernel started")
+                await super().start_kernel(**kw)
+                tracker._started(self.provisioner.process.pid)
+
+        return TrackedKernelManager
+
+    def _started(self, pid: int) -> None:
+        with self._lock:
+            self._pids.append(pid)
+            if not self.stopped.is_set():
+                return
+        self.kill()  # interrupted while the kernel was starting
+
+    def stop(self) -> None:
+        """No further kernel may start; kill the running one."""
+        with self._lock:
+            self.stopped.set()
+        self.kill()
+
+    def kill(self) -> None:
+        with self._lock:
+            pids = list(self._pids)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # its session's group: the kernel and children
+
+
+@dataclass
+class _Execution:
+    """What the worker thread of :func:`_execute_notebook` left: an error, or none."""
+
+    error: BaseException | None = None
+    cell_index: int | None = None  # the cell being executed when it stopped
+
+
+def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: dict[str, Any],
+                      cwd: Path, timeout: float) -> _Execution:
+    """Run papermill in a worker thread, waiting in the main thread (see interrupt_guard).
+
+    On an interrupt the kernel is killed, the worker is waited for (it ends once nbclient
+    sees the dead kernel) and the interrupt is re-raised.
+    """
+    import papermill as pm
+
+    tracker = _KernelTracker()
+    outcome = _Execution()
+
+    def on_cell_start(cell, cell_index, **_):
+        outcome.cell_index = cell_index
+
+    def work() -> None:
+        try:
+            with open(log_path, "w") as log:
+                pm.execute_notebook(
+                    str(input_nb), str(output_nb), parameters=params, kernel_name="python3",
+                    log_output=False, progress_bar=sys.stderr.isatty(),
+                    stdout_file=log, stderr_file=log, cwd=str(cwd),
+                    execution_timeout=timeout, kernel_manager_class=tracker.manager_class(),
+                    on_cell_start=on_cell_start,
+                )
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread as it is
+            outcome.error = exc
+
+    worker = threading.Thread(target=work, name="papermill", daemon=True)
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(timeout=0.5)
+        raise_if_interrupted()
+    except KeyboardInterrupt:
+        with signals_deferred():
+            tracker.stop()
+            # Safety net only: the worker ends within seconds of the kernel's death.
+            worker.join(timeout=120)
+        raise
+    return outcome
+
+
+def _execution_error(outcome: _Execution, parameters_cell: int, timeout: float) -> str | None:
+    """The chapter's error message for a finished execution, or None when it succeeded."""
+    import papermill as pm
+    from nbclient.exceptions import CellTimeoutError
+
+    exc = outcome.error
+    if exc is None:
+        return None
+    if isinstance(exc, pm.PapermillExecutionError):
+        return _papermill_error(exc, parameters_cell)
+    if isinstance(exc, CellTimeoutError):
+        where = (f"cell {_chapter_cell_number(outcome.cell_index, parameters_cell)}"
+                 if outcome.cell_index is not None else "a cell")
+        return f"{where} timed out after {timeout:g} s (raise the limit with --timeout SECONDS)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def default_timeout(scale: str) -> float:
+    return CELL_TIMEOUT_SECONDS[scale]
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` as seconds (a positive finite number) or None; ChapterError otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout < float("inf")):
+        raise ChapterError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def check_device_available(device: str) -> None:
+    """Refuse ``cuda``/``cuda:N`` when this machine has no such CUDA device.
+
+    torch is imported only when a CUDA device is requested ("auto" and "cpu" always work).
+    """
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ChapterError(
+            f"device {device!r}: CUDA is not available on this machine (torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
+            "use --device cpu or --device auto")
+    index = device.partition(":")[2]
+    if index:
+        if not index.isdigit():
+            raise ChapterError(f"device: expected 'cuda' or 'cuda:N' with N an integer, "
+                               f"got {device!r}")
+        if int(index) >= torch.cuda.device_count():
+            raise ChapterError(f"device {device!r}: this machine has "
+                               f"{torch.cuda.device_count()} CUDA device(s)")
+
+
+@contextlib.contextmanager
+def chapter_lock(project: Project, name: str, echo: Callable[[str], None]):
+    """Hold ``locks/<name>.lock``; if another run holds it, say so and wait for it."""
+    import filelock
+
+    path = project.generated / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(path))
+    try:
+        lock.acquire(blocking=False)
+    except filelock.Timeout:
+        echo(f"[waiting] {name}: another run of this chapter holds {path}; "
+             "waiting for it to finish")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        with signals_deferred():
+            lock.release()
+
+
+# --------------------------------------------------------------------------- run_chapter
 def run_chapter(
     project: Project,
     name: str,
@@ -378,9 +697,58 @@ def run_chapter(
     overrides: dict[str, Any] | None = None,
     force: bool = False,
     threads: int | None = None,
+    timeout: float | None = None,
     echo: Callable[[str], None] = print,
 ) -> RunResult:
-    """Execute one chapter into ``book/_generated/`` (see the module docstring)."""
+    """Execute one chapter into ``book/_generated/`` (see the module docstring).
+
+    Parameters
+    ----------
+    project, name
+        The book project and the chapter (``chapters/<name>.md``).
+    scale, device, overrides
+        Chapter parameters (``overrides`` maps parameter names to values or CLI strings).
+    force
+        Re-execute even when a cached good run has the same key.
+    threads
+        Torch threads for the kernel (None: torch's default).
+    timeout
+        Longest time one cell may run, in seconds; None: :data:`CELL_TIMEOUT_SECONDS`
+        of the scale.
+    echo
+        Where progress lines go.
+
+    Returns
+    -------
+    RunResult
+        Status "ok", "cached" or "failed" (with the error).
+
+    Raises
+    ------
+    ChapterError
+        Unknown chapter, bad parameters or timeout, unavailable CUDA device (nothing is
+        run or marked stale).
+    RunInterrupted
+        SIGINT or SIGTERM (a KeyboardInterrupt); the published outputs are whole.
+    """
+    with interrupt_guard():
+        nb, pidx, defaults, params = _prepare(project, name, scale, device, overrides)
+        timeout = check_timeout(timeout) or default_timeout(params["scale"])
+        check_device_available(str(params["device"]))
+        with chapter_lock(project, name, echo):
+            key = cache_key(project, name, params)
+            previous = load_record(project, name)
+            if (not force and previous and previous.get("status") == "ok"
+                    and previous.get("cache_key") == key and project.notebook(name).exists()):
+                echo(f"[cached] {name}: unchanged since {previous['finished']} "
+                     "(use --force to re-run)")
+                return RunResult(name, "cached", 0.0, record=previous)
+            return _execute_and_publish(project, name, nb, pidx, defaults, params, key,
+                                        previous, threads, timeout, echo)
+
+
+def _prepare(project: Project, name: str, scale, device, overrides):
+    """The chapter's notebook, parameters-cell index, defaults and resolved parameters."""
     src = project.source(name)
     if not src.exists():
         available = ", ".join(project.chapter_names()) or "none"
@@ -397,25 +765,35 @@ def run_chapter(
         params = resolve_parameters(defaults, requested)
     except ChapterError as exc:
         raise ChapterError(f"chapter {name!r}: {exc}") from None
+    return nb, pidx, defaults, params
 
-    key = cache_key(project, name, params)
-    previous = load_record(project, name)
-    if (not force and previous and previous.get("status") == "ok"
-            and previous.get("cache_key") == key and project.notebook(name).exists()):
-        echo(f"[cached] {name}: unchanged since {previous['finished']} (use --force to re-run)")
-        return RunResult(name, "cached", 0.0, record=previous)
 
+@contextlib.contextmanager
+def _kernel_environment(updates: dict[str, str]):
+    """os.environ with ``updates`` for the kernel to inherit, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: dict,
+                         params: dict, key: str, previous: dict | None, threads: int | None,
+                         timeout: float, echo: Callable[[str], None]) -> RunResult:
     commit, dirty = prov.git_state(project.root)
     gen = project.generated
     remove_dead_staging(project, name)
     staging = gen / ".staging" / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging_assets = staging / "assets"
-    staging_assets.mkdir(parents=True)
     input_nb = staging / f"{name}.input.ipynb"
     output_nb = staging / f"{name}.ipynb"
-    _write_notebook(nb, input_nb)
-    project.log(name).parent.mkdir(parents=True, exist_ok=True)
-
+    staged_log = staging / f"{name}.log"
     env_updates = {
         prov.ENV_OUTPUT_DIR: str(staging_assets),
         prov.ENV_ASSET_URL: f"../assets/{name}",
@@ -428,10 +806,7 @@ def run_chapter(
     if threads:
         env_updates.update({prov.ENV_THREADS: str(threads), "OMP_NUM_THREADS": str(threads),
                             "MKL_NUM_THREADS": str(threads)})
-    saved_env = {k: os.environ.get(k) for k in env_updates}
-    os.environ.update(env_updates)
     started = time.time()
-    echo(f"[start] {name} (scale={params['scale']}, device={params['device']})")
     record: dict[str, Any] = {
         "chapter": name, "parameters": params, "defaults": defaults, "cache_key": key,
         "git_commit": commit, "git_dirty": dirty, "started": prov.now_iso(),
@@ -439,50 +814,62 @@ def run_chapter(
         "device": params["device"],
     }
     try:
-        import papermill as pm
-
-        with open(project.log(name), "w") as log:
-            try:
-                pm.execute_notebook(
-                    str(input_nb), str(output_nb), parameters=params, kernel_name="python3",
-                    log_output=False, progress_bar=sys.stderr.isatty(),
-                    stdout_file=log, stderr_file=log,
-                    cwd=str(project.root),
-                )
-            except pm.PapermillExecutionError as exc:
-                raise ChapterError(_papermill_error(exc, pidx)) from None
-        executed = read_notebook_ipynb(output_nb)
-        record["device"] = _detected_device(params["device"])
-        record.update(status="ok", seconds=time.time() - started, finished=prov.now_iso())
-        _strip_tagged(executed, STALE_TAG)
-        _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
-        _publish(project, name, executed, staging_assets)
-        prov.atomic_write_text(project.run_record(name), prov.dumps(record))
+        staging_assets.mkdir(parents=True)
+        _write_notebook(nb, input_nb)
+        echo(f"[start] {name} (scale={params['scale']}, device={params['device']})")
+        with _kernel_environment(env_updates):
+            outcome = _execute_notebook(input_nb, output_nb, staged_log, params,
+                                        project.root, timeout)
+        error = _execution_error(outcome, pidx, timeout)
+        if error is None:
+            executed = read_notebook_ipynb(output_nb)
+            record["device"] = _detected_device(params["device"])
+        record.update(seconds=time.time() - started, finished=prov.now_iso())
+        raise_if_interrupted()  # the last moment an interrupt leaves everything as it was
+        with signals_deferred():
+            if error is None:
+                record["status"] = "ok"
+                _strip_tagged(executed, STALE_TAG)
+                _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
+                _publish(project, name, executed, staging_assets, staged_log)
+                prov.atomic_write_text(project.run_record(name), prov.dumps(record))
+            else:
+                _publish_failure(project, name, nb, record, previous, error, staged_log,
+                                 output_nb)
+    except Exception as exc:  # noqa: BLE001 - our own steps failed: mark stale too
+        error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
+        record.update(seconds=time.time() - started, finished=prov.now_iso())
+        raise_if_interrupted()
+        with signals_deferred():
+            _publish_failure(project, name, nb, record, previous, error, staged_log, output_nb)
+    finally:
+        with signals_deferred():
+            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                (gen / ".staging").rmdir()
+    if record["status"] == "ok":
         echo(f"[ok {record['seconds']:.1f}s] {name}")
         return RunResult(name, "ok", record["seconds"], record=record)
-    except Exception as exc:  # noqa: BLE001 - any failure (ChapterError included) marks stale
-        failed_nb = output_nb if output_nb.exists() else None
-        if failed_nb:
-            shutil.copyfile(failed_nb, project.log(name).with_suffix(".failed.ipynb"))
-        error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
-        record.update(status="failed", error=error, seconds=time.time() - started,
-                      finished=prov.now_iso())
-        good = previous if previous and previous.get("status") == "ok" else (
-            previous.get("last_good") if previous else None)
-        record["last_good"] = good
-        _mark_stale(project, name, nb, record, good)
-        prov.atomic_write_text(project.run_record(name), prov.dumps(record))
-        echo(f"[FAILED {record['seconds']:.1f}s] {name}: {error} (log: {project.log(name)})")
-        return RunResult(name, "failed", record["seconds"], error=error, record=record)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            (gen / ".staging").rmdir()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    echo(f"[FAILED {record['seconds']:.1f}s] {name}: {record['error']} "
+         f"(log: {project.log(name)})")
+    return RunResult(name, "failed", record["seconds"], error=record["error"], record=record)
+
+
+def _publish_failure(project: Project, name: str, nb, record: dict, previous: dict | None,
+                     error: str, staged_log: Path, output_nb: Path) -> None:
+    """Record the failure, keep the last good outputs and mark them stale."""
+    project.log(name).parent.mkdir(parents=True, exist_ok=True)
+    if staged_log.exists():
+        os.replace(staged_log, project.log(name))
+    if output_nb.exists():
+        shutil.copyfile(output_nb, project.log(name).with_suffix(".failed.ipynb"))
+    record.update(status="failed", error=error)
+    good = previous if previous and previous.get("status") == "ok" else (
+        previous.get("last_good") if previous else None)
+    record["last_good"] = good
+    _mark_stale(project, name, nb, record, good)
+    prov.atomic_write_text(project.run_record(name), prov.dumps(record))
+
 
 
 def remove_dead_staging(project: Project, name: str) -> None:
@@ -514,14 +901,21 @@ def _detected_device(requested: str) -> str:
         return requested
 
 
-def _publish(project: Project, name: str, executed, staging_assets: Path) -> None:
-    """Swap fresh outputs in: assets folder by rename, then the notebook atomically."""
+def _publish(project: Project, name: str, executed, staging_assets: Path,
+             staged_log: Path) -> None:
+    """Swap fresh outputs in: assets folder by rename, the log, then the notebook atomically.
+
+    The caller runs it inside :func:`signals_deferred` and writes the run record last.
+    """
     final = project.assets(name)
     final.parent.mkdir(parents=True, exist_ok=True)
     trash = final.with_name(f".{name}.old-{uuid.uuid4().hex[:8]}")
     if final.exists():
         os.replace(final, trash)
     os.replace(staging_assets, final)
+    _test_pause("publish")
+    project.log(name).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged_log, project.log(name))
     _write_notebook(executed, project.notebook(name))
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -556,8 +950,14 @@ def write_placeholder(project: Project, name: str) -> None:
 
 # --------------------------------------------------------------------------- build
 def run_many(project: Project, names: list[str], *, scale: str | None, device: str | None,
-             jobs: int, force: bool, echo: Callable[[str], None] = print) -> list[RunResult]:
-    """Execute chapters in parallel processes, torch threads divided between them."""
+             jobs: int, force: bool, timeout: float | None = None,
+             echo: Callable[[str], None] = print) -> list[RunResult]:
+    """Execute chapters in parallel processes, torch threads divided between them.
+
+    On SIGINT or SIGTERM (a KeyboardInterrupt here) every running child gets SIGTERM,
+    which makes it kill its kernel and remove its staging folder; they are waited for
+    (killed after a generous deadline) and the interrupt is re-raised.
+    """
     jobs = max(1, min(jobs, len(names) or 1))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     pending = list(names)
@@ -580,6 +980,8 @@ def run_many(project: Project, names: list[str], *, scale: str | None, device: s
                     cmd += ["--device", device]
                 if force:
                     cmd.append("--force")
+                if timeout is not None:
+                    cmd += ["--timeout", repr(timeout)]
                 running[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                                   stderr=subprocess.STDOUT, text=True),
                                  time.time())
@@ -603,13 +1005,24 @@ def run_many(project: Project, names: list[str], *, scale: str | None, device: s
                                              error=record.get("error", out.strip()[-500:]),
                                              record=record))
     except KeyboardInterrupt:
-        for proc, _ in running.values():
-            proc.terminate()
-        for proc, _ in running.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
+        with signals_deferred():
+            _stop_children([proc for proc, _ in running.values()])
         raise
     return results
+
+
+def _stop_children(procs: list[subprocess.Popen], grace_seconds: float = 120.0) -> None:
+    """SIGTERM each child run, wait for its clean-up, SIGKILL it if it never ends."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    deadline = time.time() + grace_seconds  # a safety net: clean-up takes seconds
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def jupyter_book_executable() -> str:
@@ -650,17 +1063,24 @@ def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
 
 def build(project: Project, *, scale: str | None = None, device: str | None = None,
           jobs: int = 1, chapters: list[str] | None = None, force: bool = False,
-          echo: Callable[[str], None] = print) -> int:
-    """Execute chapters, then build the book. Returns the exit code (non-zero on failure)."""
+          timeout: float | None = None, echo: Callable[[str], None] = print) -> int:
+    """Execute chapters, then build the book. Returns the exit code (non-zero on failure).
+
+    ``timeout`` (seconds per cell) is passed to every run; an unavailable CUDA device
+    is refused before any chapter starts.
+    """
     names = chapters or project.chapter_names()
     unknown = [n for n in names if not project.source(n).exists()]
     if unknown:
         raise ChapterError(
             f"unknown chapter(s) {unknown}; available: {', '.join(project.chapter_names())}"
         )
+    timeout = check_timeout(timeout)
+    if device is not None:
+        check_device_available(device)
     t0 = time.time()
     results = run_many(project, names, scale=scale, device=device, jobs=jobs, force=force,
-                       echo=echo)
+                       timeout=timeout, echo=echo)
     failed = [r for r in results if r.status == "failed"]
     build_html(project, echo=echo)
     echo(f"[done {time.time() - t0:.1f}s] {len(results) - len(failed)} chapter(s) fresh, "
