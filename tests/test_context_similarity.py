@@ -860,6 +860,32 @@ def test_bad_input_raises_clear_errors(minilm64, tiny_model_dir):
         analyse_corpus(model, w, tokenizer=tok, batch_size=0)
     with pytest.raises(ValueError, match="outputs: expected a 5-D"):
         similarity_matrices(torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="zero_diagonal: expected a bool, got 'no'"):
+        similarity_matrices(torch.zeros(1, 1, 1, 4, 2), zero_diagonal="no")
+    with pytest.raises(TypeError, match="tokenizer: expected a Hugging Face tokenizer"):
+        cs.separator_ids(None)
+    z = torch.randn(2, 1, 1, 6, 3, dtype=torch.float64)
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    for kwargs, kind, message in [
+            (dict(k=1.5), TypeError, "k: expected a positive int, got 1.5"),
+            (dict(k=True), TypeError, "k: expected a positive int, got True"),
+            (dict(k=0), ValueError, "k: expected a positive int, got 0"),
+            (dict(k=16), ValueError, "k: 16 exceeds the 15 pairs of 6 tokens"),
+            (dict(k=1, segment=2.0), TypeError, "segment: expected a positive int"),
+            (dict(k=1, valid=valid.long()), ValueError, "valid: expected a bool tensor"),
+            (dict(k=1, valid=valid.to("meta")), ValueError, r"valid: .* on cpu, got"),
+            (dict(k=1, outputs=z.long()), TypeError, "outputs: expected a floating tensor"),
+            (dict(k=1, metric=torch.eye(3)), ValueError, r"metric: expected shape \(1, 1, 3, 3\)"),
+    ]:
+        with pytest.raises(kind, match=message):
+            top_pairs(**{"outputs": z, "valid": valid, **kwargs})
+    for bad in (float("nan"), float("inf")):
+        broken = z.clone()
+        broken[1, 0, 0, 4, 2] = bad  # one output of one valid token
+        with pytest.raises(ValueError, match="outputs: expected finite values"):
+            top_pairs(broken, valid, 3, segment=2)
+        in_padding = top_pairs(broken, valid & (torch.arange(6) != 4), 3)[0]  # not a pair
+        assert in_padding.isfinite().all()
     with pytest.raises(ValueError, match="metric"):
         similarity_matrices(torch.zeros(1, 1, 1, 4, 2), metric=torch.eye(2))
     with pytest.raises(ValueError, match="percentile"):

@@ -226,9 +226,14 @@ def separator_ids(tokenizer, separators=DEFAULT_SEPARATORS) -> dict[str, int]:
 
     Raises
     ------
+    TypeError
+        ``tokenizer`` is not a Hugging Face tokenizer.
     ValueError
         A separator is not a single token of the vocabulary.
     """
+    if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+        raise TypeError("tokenizer: expected a Hugging Face tokenizer (with "
+                        f"convert_tokens_to_ids), got {type(tokenizer).__name__}")
     out = {}
     unk = getattr(tokenizer, "unk_token_id", None)
     for s in separators:
@@ -615,6 +620,9 @@ def similarity_matrices(
         raise ValueError(f"outputs: expected a 5-D tensor [B, L, H, T, d], got {got}")
     if not outputs.is_floating_point():
         raise TypeError(f"outputs: expected a floating tensor, got {outputs.dtype}")
+    if not isinstance(zero_diagonal, bool):
+        raise TypeError(f"zero_diagonal: expected a bool, got {zero_diagonal!r} "
+                        f"({type(zero_diagonal).__name__})")
     left = outputs
     if metric is not None:
         want = (*outputs.shape[1:3], outputs.shape[-1], outputs.shape[-1])
@@ -801,19 +809,38 @@ def top_pairs(
     parts, ``k r`` segments and about ``4 k`` runs per level below (``g`` the segment
     length, ``r`` segments per row part, about ``sqrt(T^2 / (g k))``), and a sort of ``k``.
     Memory: the ``B L H T^2`` buffer.
+
+    Raises
+    ------
+    TypeError
+        ``outputs`` not floating; ``k`` or ``segment`` not an int.
+    ValueError
+        Wrong shapes, ``valid`` not bool or on another device, ``k`` or ``segment`` below
+        1, ``k`` above the ``T(T-1)/2`` pairs, or NaN / inf similarities among valid tokens.
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
-        raise ValueError("outputs: expected a 5-D tensor [B, L, H, T, d]")
+        got = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+        raise ValueError(f"outputs: expected a 5-D tensor [B, L, H, T, d], got {got}")
+    if not outputs.is_floating_point():
+        raise TypeError(f"outputs: expected a floating tensor, got {outputs.dtype}")
     b, n_l, n_h, t, d = outputs.shape
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(
-            valid.shape) != (b, t):
-        raise ValueError(f"valid: expected a bool tensor of shape {(b, t)}")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k: expected a positive int, got {k!r}")
+            valid.shape) != (b, t) or valid.device != outputs.device:
+        got = ((valid.dtype, tuple(valid.shape), str(valid.device))
+               if isinstance(valid, torch.Tensor) else type(valid).__name__)
+        raise ValueError(f"valid: expected a bool tensor of shape {(b, t)} on "
+                         f"{outputs.device}, got {got}")
+    for name, value in (("k", k), ("segment", segment)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name}: expected a positive int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if k > t * (t - 1) // 2:
         raise ValueError(f"k: {k} exceeds the {t * (t - 1) // 2} pairs of {t} tokens")
-    if not isinstance(segment, int) or isinstance(segment, bool) or segment < 1:
-        raise ValueError(f"segment: expected a positive int, got {segment!r}")
+    if metric is not None and (not isinstance(metric, torch.Tensor)
+                               or tuple(metric.shape) != (n_l, n_h, d, d)):
+        got = tuple(metric.shape) if isinstance(metric, torch.Tensor) else type(metric).__name__
+        raise ValueError(f"metric: expected shape {(n_l, n_h, d, d)} [L, H, d, d], got {got}")
     dev, lh = outputs.device, n_l * n_h
     neg_inf = float("-inf")
     right = outputs.permute(1, 2, 0, 3, 4).reshape(lh, b, t, d)  # a view for head_outputs'
@@ -868,6 +895,11 @@ def top_pairs(
         v[rows], i_sel[rows], j_sel[rows] = _descend(sims.view(-1), seg_max, k, g, rp)
     if total is not None:
         total.diagonal(dim1=1, dim2=2).zero_()
+    # NaN ranks above every number and +inf above every finite one: a non-finite output of
+    # a valid token shows among the selected values (checking k per matrix, not T^2)
+    if bool((v.isnan() | v.isposinf()).any()):
+        raise ValueError("outputs: expected finite values, got similarities of valid tokens "
+                         "that are NaN or inf")
     if sort:
         v, order = v.sort(dim=-1, descending=True, stable=True)
         i_sel, j_sel = i_sel.gather(1, order), j_sel.gather(1, order)
