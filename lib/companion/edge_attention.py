@@ -274,21 +274,33 @@ def edge_attention(
 
     Parameters
     ----------
-    q : ``[..., n, d]`` queries, e.g. ``[B, H, n, d]`` or ``[n, d]``.
-    k : ``[..., m, d]`` keys, same leading dims.
-    v : ``[..., m, d_v]`` values, same leading dims.
+    q : ``[..., n, d]`` queries, e.g. ``[B, H, n, d]`` or ``[n, d]``, floating point
+        (half precision is computed in float32, float64 in float64).
+    k : ``[..., m, d]`` keys, same leading dims and dtype.
+    v : ``[..., m, d_v]`` values, same leading dims and dtype.
     edges : ``(group, query, key)`` int64 tensors of length ``E`` (as returned by
         :func:`companion.sbm.fastrg_sample`); ``group`` indexes the flattened leading dims
         (``b * H + h``).  Any order; repeated edges count with their multiplicity.
     edge_weight : optional ``[E]`` nonnegative weights ``w_e`` (differentiable): attention
         weights are ``w_e exp(s_e)`` normalised per query; the straight-through mask of
         :class:`companion.sbm.SBMAttention` enters here.
-    scale : score scale, default ``1 / sqrt(d)``.
+    scale : positive score scale, default ``1 / sqrt(d)``.
 
     Returns
     -------
     out : ``[..., n, d_v]``; rows of queries without edges are zero (finite, zero
         gradient).
+
+    Raises
+    ------
+    TypeError
+        Non-tensor or non-floating inputs or weights, ``q``, ``k``, ``v`` of different
+        dtypes, edge indices that are not 1-D int64 tensors, a ``scale`` that is not a
+        number.
+    ValueError
+        Shape or device mismatches, meta tensors, empty sequences, out-of-range edge
+        indices, negative or non-finite weights, a ``scale`` that is not positive and
+        finite.
 
     Complexity
     ----------
@@ -302,6 +314,8 @@ def edge_attention(
             raise TypeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
         if t.dim() < 2:
             raise ValueError(f"{name}: expected [..., length, dim], got shape {tuple(t.shape)}")
+        if t.device.type == "meta":  # the edge indices are checked against values
+            raise ValueError(f"{name}: expected a tensor with values, got one on the meta device")
     if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q, k, v: expected [..., n, d], [..., m, d], [..., m, d_v] with equal leading dims, "
@@ -309,6 +323,9 @@ def edge_attention(
         )
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v: expected tensors on one device")
+    if not (q.dtype == k.dtype == v.dtype):
+        # the computation runs in q's precision: a float64 k or v would be rounded silently
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
     if n == 0 or m == 0:
         raise ValueError(f"q, k: empty sequence, got n={n}, m={m}")
@@ -316,15 +333,37 @@ def edge_attention(
     num_groups = math.prod(batch_shape)
     group, query, key = _check_edges(edges, num_groups, n, m, q.device)
     if edge_weight is not None:
-        if not isinstance(edge_weight, torch.Tensor) or edge_weight.shape != (group.numel(),):
-            shape = (
-                tuple(edge_weight.shape) if isinstance(edge_weight, torch.Tensor) else edge_weight
+        if not isinstance(edge_weight, torch.Tensor):
+            raise TypeError(
+                f"edge_weight: expected a floating-point tensor of shape ({group.numel()},), "
+                f"got {type(edge_weight).__name__}"
             )
-            raise ValueError(f"edge_weight: expected shape ({group.numel()},), got {shape}")
-        if not edge_weight.is_floating_point() or edge_weight.device != q.device:
-            raise TypeError("edge_weight: expected a floating-point tensor on q's device")
+        if edge_weight.shape != (group.numel(),):
+            raise ValueError(
+                f"edge_weight: expected shape ({group.numel()},), got {tuple(edge_weight.shape)}"
+            )
+        if not edge_weight.is_floating_point():
+            raise TypeError(
+                f"edge_weight: expected a floating-point tensor, got dtype {edge_weight.dtype}"
+            )
+        if edge_weight.device != q.device:
+            raise ValueError(f"edge_weight: expected device {q.device}, got {edge_weight.device}")
+        # one pass: min is NaN if any entry is, and the comparison then fails
+        if edge_weight.numel():
+            lo, hi = (float(x) for x in torch.aminmax(edge_weight.detach()))
+            if not (lo >= 0 and hi < math.inf):
+                raise ValueError(
+                    f"edge_weight: expected nonnegative finite weights, got values in [{lo}, {hi}]"
+                )
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(
+            f"scale: expected a positive finite number or None, got {scale!r} "
+            f"({type(scale).__name__})"
+        )
+    elif not 0 < scale < math.inf:
+        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
     graph = EdgeGraph(group, query, key, num_groups, n, m)
     if edge_weight is not None and graph.order is not None:
         edge_weight = edge_weight[graph.order]
@@ -367,6 +406,8 @@ def dense_masked_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point torch.Tensor")
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected [..., length, dim], got shape {tuple(t.shape)}")
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
