@@ -351,6 +351,14 @@ def test_fastrg_bad_input():
         sbm_parameters(torch.randn(3, 4), torch.randn(3, 5), torch.randn(2, 4), lambda x: x)
     with pytest.raises(ValueError, match="empty"):
         sbm_parameters(torch.randn(0, 4), torch.randn(3, 4), torch.randn(2, 4), lambda x: x)
+    with pytest.raises(TypeError, match=r"^mlp: expected a callable"):
+        sbm_parameters(torch.randn(3, 4), torch.randn(3, 4), torch.randn(2, 4), None)
+    with pytest.raises(TypeError, match=r"^generator: expected a torch.Generator or None"):
+        fastrg_sample(qm, s, km, 5)
+    with pytest.raises(TypeError, match=r"^self_loops: expected a bool, got 'yes'"):
+        fastrg_sample(qm, s, qm, self_loops="yes")
+    with pytest.raises(ValueError, match=r"^q_membership: expected a tensor with values"):
+        fastrg_sample(qm.to("meta"), s.to("meta"), km.to("meta"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -612,6 +620,8 @@ def test_sbm_attention_density_regularizer_and_shapes():
 def test_sbm_attention_bad_input():
     with pytest.raises(ValueError, match="num_clusters"):
         SBMAttention(8, 2, 0)
+    with pytest.raises(TypeError, match=r"^num_clusters: expected a positive int, got 2.5"):
+        SBMAttention(8, 2, 2.5)
     with pytest.raises(ValueError, match="duplicates"):
         SBMAttention(8, 2, 4, duplicates="sum")
     layer = SBMAttention(8, 2, 4)

@@ -146,6 +146,8 @@ def sbm_parameters(
     _check_float("q", q)
     _check_float("k", k)
     _check_float("cluster_embeddings", cluster_embeddings)
+    if not callable(mlp):
+        raise TypeError(f"mlp: expected a callable [..., d] -> [..., d], got {mlp!r}")
     if q.dim() not in (2, 4) or k.dim() != q.dim():
         raise ValueError(
             f"q, k: expected [n, d] and [m, d] or [B, H, n, d] and [B, H, m, d], "
@@ -279,7 +281,8 @@ def fastrg_sample(
         On shape mismatches, empty sequences, negative/NaN/infinite entries, an unknown
         ``duplicates`` policy, or ``self_loops`` with ``n != m``.
     TypeError
-        If ``tuning`` is not a :class:`FastRGTuning`.
+        Non-floating memberships, a ``tuning`` that is not a :class:`FastRGTuning`, a
+        ``generator`` that is not a ``torch.Generator``, a non-bool ``self_loops``.
 
     Complexity
     ----------
@@ -291,6 +294,15 @@ def fastrg_sample(
         raise ValueError(f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}")
     if not isinstance(tuning, FastRGTuning):
         raise TypeError(f"tuning: expected a FastRGTuning, got {type(tuning).__name__}")
+    if not isinstance(self_loops, bool):
+        raise TypeError(
+            f"self_loops: expected a bool, got {self_loops!r} ({type(self_loops).__name__})"
+        )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator: expected a torch.Generator or None, got {generator!r} "
+            f"({type(generator).__name__})"
+        )
     qm, sg, km, _ = _groups(q_membership, s, k_membership)
     for name, t in (("q_membership", qm), ("s", sg), ("k_membership", km)):
         # one pass: min and max are NaN if any entry is, and the comparisons then fail
@@ -612,7 +624,9 @@ class SBMAttention(nn.Module):
         super().__init__()
         sizes = (("head_dim", head_dim), ("num_heads", num_heads), ("num_clusters", num_clusters))
         for name, val in sizes:
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise TypeError(f"{name}: expected a positive int, got {val!r}")
+            if val < 1:
                 raise ValueError(f"{name}: expected a positive int, got {val!r}")
         if duplicates not in DUPLICATE_POLICIES:
             raise ValueError(
@@ -771,6 +785,8 @@ def _check_float(name: str, t) -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
+    if t.device.type == "meta":  # no values to validate or sample from
+        raise ValueError(f"{name}: expected a tensor with values, got one on the meta device")
 
 
 def _groups(q_membership, s, k_membership):
