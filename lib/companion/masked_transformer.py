@@ -34,12 +34,14 @@ Functions
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from companion._validate import check_bool, check_device, check_int, check_tensor, describe
 from companion.masks import validate_mask
 
 __all__ = [
@@ -84,14 +86,26 @@ def init_masked_transformer(
     dtype: torch.dtype = torch.float64,
 ) -> MaskedTransformer:
     """Random parameters with unit-variance-preserving scales (weights ~ N(0, 1/fan_in),
-    LayerNorm gains ~ 1 + N(0, 0.1^2) so that no weight is a special value)."""
-    for name, value, low in (("d_model", d_model, 1), ("n_layers", n_layers, 1),
-                             ("n_heads", n_heads, 1), ("max_positions", max_positions, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    LayerNorm gains ~ 1 + N(0, 0.1^2) so that no weight is a special value).
+
+    Raises
+    ------
+    TypeError
+        A size that is not an int (``4.0``, ``True``), a ``generator`` that is not a
+        torch.Generator, a ``dtype`` that is not a floating torch.dtype.
+    ValueError
+        A size < 1, ``n_heads`` not dividing ``d_model``, an unknown or absent device.
+    """
+    d_model = check_int("d_model", d_model, minimum=1)
+    n_layers = check_int("n_layers", n_layers, minimum=1)
+    n_heads = check_int("n_heads", n_heads, minimum=1)
+    max_positions = check_int("max_positions", max_positions, minimum=1)
+    d_ff = 2 * d_model if d_ff is None else check_int("d_ff", d_ff, minimum=1)
     if d_model % n_heads:
         raise ValueError(f"n_heads: expected a divisor of d_model = {d_model}, got {n_heads}")
-    d_ff = 2 * d_model if d_ff is None else d_ff
+    _check_generator(generator)
+    check_device("device", device)
+    _check_dtype(dtype)
 
     def normal(*shape, scale=1.0):
         return torch.randn(*shape, generator=generator, dtype=dtype, device=device) * scale
@@ -119,6 +133,54 @@ def init_masked_transformer(
         normal(max_positions, d_model),
         normal(d_model),
     )
+
+
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator: expected a torch.Generator or None, got {describe(generator)}")
+
+
+def _check_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {describe(dtype)}")
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, MaskedTransformer):
+        raise TypeError(
+            f"model: expected a MaskedTransformer (see init_masked_transformer), got "
+            f"{describe(model)}")
+
+
+def _model_layers(model: MaskedTransformer, n_layers) -> list:
+    """The first ``n_layers`` layers of ``model`` (all for None), checked."""
+    total = len(model.layers)
+    if n_layers is None:
+        return model.layers
+    if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral):
+        raise TypeError(
+            f"n_layers: expected an int in [0, {total}] or None, got {describe(n_layers)}")
+    return model.layers[:check_int("n_layers", n_layers, minimum=0, maximum=total)]
+
+
+def _check_vectors(name: str, model: MaskedTransformer, x, rows: str = "positions") -> None:
+    """``x``: a finite (rows, d_model) tensor of the model's dtype, on its device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{name}: expected a ({rows}, {model.d_model}) tensor, got {describe(x)}")
+    check_tensor(name, x)  # no meta tensors
+    if x.dim() != 2 or x.shape[1] != model.d_model:
+        raise ValueError(
+            f"{name}: expected a ({rows}, {model.d_model}) tensor, got {tuple(x.shape)}")
+    if x.dtype != model.position.dtype:
+        raise TypeError(
+            f"{name}: expected dtype {model.position.dtype} like the model, got {x.dtype}")
+    if x.device != model.position.device:
+        raise ValueError(
+            f"{name}: expected a tensor on {model.position.device} like the model, got one "
+            f"on {x.device}")
+    check_tensor(name, x, finite=True)
 
 
 def _layer_norm(x, params):
@@ -151,12 +213,9 @@ def _layer(h_q, h_kv_normed, allowed, layer, n_heads):
 
 
 def _check_x_mask(model, x, mask):
+    _check_model(model)
     validate_mask(mask)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != model.d_model:
-        raise ValueError(
-            f"x: expected a (positions, {model.d_model}) tensor, got "
-            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-        )
+    _check_vectors("x", model, x)
     if x.shape[0] != mask.shape[0]:
         raise ValueError(
             f"x: expected {mask.shape[0]} positions to match the mask, got {x.shape[0]}"
@@ -167,10 +226,19 @@ def masked_transformer(model: MaskedTransformer, x: torch.Tensor, mask: torch.Te
                        n_layers: int | None = None) -> torch.Tensor:
     """Forward pass: ``x`` (P, d) input vectors, ``mask`` (P, P) -> outputs (P, d).
 
-    ``n_layers`` uses only the first layers (default: all).
+    ``n_layers`` uses only the first layers (an int in ``[0, L]``; default None: all L).
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a MaskedTransformer, ``x`` is not a tensor of the model's dtype,
+        ``mask`` is not a bool tensor, ``n_layers`` is not an int or None.
+    ValueError
+        Wrong shapes, ``x`` not finite or not on the model's device, ``n_layers`` out of
+        ``[0, L]``.
     """
     _check_x_mask(model, x, mask)
-    layers = model.layers if n_layers is None else model.layers[:n_layers]
+    layers = _model_layers(model, n_layers)
     h = x
     for layer in layers:
         h = _layer(h, _layer_norm(h, layer["ln1"]), mask, layer, model.n_heads)
@@ -200,6 +268,8 @@ def dependency_pattern(model: MaskedTransformer, x: torch.Tensor, mask: torch.Te
     ``_row_dependencies``); exact zeros are structural (masked weights are exactly 0).
     """
     _check_x_mask(model, x, mask)
+    _model_layers(model, n_layers)
+    _check_generator(generator)
     x = x.detach().requires_grad_(True)
     return _row_dependencies(masked_transformer(model, x, mask, n_layers), x, generator)
 
@@ -208,12 +278,42 @@ def embed_task_inputs(model: MaskedTransformer, task, token_embeddings: torch.Te
                       positions: Sequence[int] | None = None) -> torch.Tensor:
     """Input vectors of a task: for position p, the sum of ``token_embeddings[t]`` over
     ``t`` in ``task.inputs[p]`` (the mask embedding when empty) plus the position
-    embedding of ``positions[p]`` (default ``p``)."""
-    size = task.n_positions
-    positions = list(range(size)) if positions is None else list(positions)
-    if len(positions) != size or max(positions) >= model.position.shape[0]:
+    embedding of ``positions[p]`` (default ``p``).
+
+    ``token_embeddings`` is a (n_tokens, d_model) tensor of the model's dtype with a row
+    for every token the task's inputs name (at least ``1 + max token index`` rows).
+
+    Raises
+    ------
+    TypeError
+        ``model`` or ``task`` of the wrong type, ``token_embeddings`` not a tensor of the
+        model's dtype, a position that is not an int.
+    ValueError
+        ``token_embeddings`` of the wrong width, with too few rows, not finite or not on
+        the model's device; ``positions`` of the wrong length or out of range.
+    """
+    _check_model(model)
+    _check_task(task)
+    _check_vectors("token_embeddings", model, token_embeddings, rows="n_tokens")
+    needed = 1 + max((t for inp in task.inputs for t in inp), default=-1)
+    if token_embeddings.shape[0] < needed:
         raise ValueError(
-            f"positions: expected {size} indices below {model.position.shape[0]}"
+            f"token_embeddings: expected at least {needed} rows (one per token of the "
+            f"task), got {token_embeddings.shape[0]}")
+    size = task.n_positions
+    limit = model.position.shape[0]
+    if positions is None:
+        positions = list(range(size))
+    else:
+        if isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
+            raise TypeError(
+                f"positions: expected a sequence of {size} position indices or None, got "
+                f"{describe(positions)}")
+        positions = [check_int(f"positions[{i}]", p, minimum=0, maximum=limit - 1)
+                     for i, p in enumerate(positions)]
+    if len(positions) != size or max(positions) >= limit:
+        raise ValueError(
+            f"positions: expected {size} indices below {limit}"
         )
     rows = []
     for p, inp in enumerate(task.inputs):
@@ -226,7 +326,15 @@ def token_dependencies(model: MaskedTransformer, task, token_embeddings: torch.T
                        n_layers: int | None = None, *,
                        generator: torch.Generator | None = None) -> torch.Tensor:
     """Bool (P, n_tokens): ``[p, t]`` = output ``p`` has a nonzero derivative in the raw
-    embedding of token ``t``, through the whole input construction."""
+    embedding of token ``t``, through the whole input construction.
+
+    Raises as :func:`embed_task_inputs` and :func:`masked_transformer` do.
+    """
+    _check_model(model)
+    _check_task(task)
+    _check_vectors("token_embeddings", model, token_embeddings, rows="n_tokens")
+    _model_layers(model, n_layers)
+    _check_generator(generator)
     emb = token_embeddings.detach().requires_grad_(True)
     out = masked_transformer(model, embed_task_inputs(model, task, emb), task.mask, n_layers)
     return _row_dependencies(out, emb, generator)
@@ -240,14 +348,23 @@ def incremental_forward(model: MaskedTransformer, x: torch.Tensor, mask: torch.T
     the cached per-layer states of groups ``< g`` only (what a deployed model has when
     it generates group ``g``). Raises ValueError if the mask lets a group attend a later
     group (that would need the future). Returns outputs (P, d) in position order.
+
+    Raises
+    ------
+    TypeError
+        ``groups`` is not a sequence of position lists (a str, say), or a position is not
+        an int; and as :func:`masked_transformer` for ``model``, ``x`` and ``mask``.
+    ValueError
+        ``groups`` is not a partition of the positions, or needs the future.
     """
     _check_x_mask(model, x, mask)
-    flat = [int(p) for g in groups for p in g]
+    groups = _check_groups(groups)
+    flat = [p for g in groups for p in g]
     if sorted(flat) != list(range(mask.shape[0])):
         raise ValueError("groups: expected a partition of the positions 0..P-1")
     rank = torch.empty(mask.shape[0], dtype=torch.long)
     for g_idx, g in enumerate(groups):
-        rank[list(g)] = g_idx
+        rank[g] = g_idx
     later = rank[None, :] > rank[:, None]
     if (mask.cpu() & later).any():
         raise ValueError("groups: the mask lets a group attend a later group")
@@ -255,7 +372,6 @@ def incremental_forward(model: MaskedTransformer, x: torch.Tensor, mask: torch.T
     cached_pos: list[int] = []
     out = torch.empty_like(x)
     for g in groups:
-        g = list(g)
         h = x[g]
         keys_pos = cached_pos + g
         for li, layer in enumerate(model.layers):
@@ -269,10 +385,51 @@ def incremental_forward(model: MaskedTransformer, x: torch.Tensor, mask: torch.T
     return out
 
 
+def _check_task(task) -> None:
+    from companion.task_merge import Task
+
+    if not isinstance(task, Task):
+        raise TypeError(f"task: expected a companion.task_merge.Task, got {describe(task)}")
+
+
+def _position(name: str, p) -> int:
+    """A position index: an int, or a one-element integer tensor (``rank[i]``, say)."""
+    if isinstance(p, torch.Tensor) and p.numel() == 1 and not (
+            p.is_floating_point() or p.is_complex() or p.dtype == torch.bool):
+        p = p.item()
+    return check_int(name, p, minimum=0)
+
+
+def _check_groups(groups) -> list[list[int]]:
+    """``groups`` as a list of lists of ints (any iterable of iterables of positions)."""
+    def bad(what):
+        return TypeError(f"groups: expected a sequence of position lists, got {describe(what)}")
+
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise bad(groups)
+    checked = []
+    for i, g in enumerate(groups):
+        if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
+            raise TypeError(
+                f"groups[{i}]: expected a list of positions, got {describe(g)}")
+        checked.append([_position(f"groups[{i}][{j}]", p) for j, p in enumerate(g)])
+    return checked
+
+
 def block_two_stream_schedule(n: int, block: int) -> list[list[int]]:
     """Generation order for the block two-stream layout: mask tokens of block 0, then
     for k = 1..K-1 the content of block k-1 (now generated) and the mask tokens of
-    block k."""
+    block k.
+
+    Raises
+    ------
+    TypeError
+        ``n`` or ``block`` is not an int.
+    ValueError
+        ``n`` or ``block`` is < 1.
+    """
+    n = check_int("n", n, minimum=1)
+    block = check_int("block", block, minimum=1)
     c = ((n - 1) // block) * block
     n_blocks = -(-n // block)
     groups = []
@@ -298,10 +455,28 @@ def flex_vs_sdpa(mask_mod, dense_mask: torch.Tensor, *, n_heads: int = 2,
     Returns dict with ``max_abs_diff`` (largest difference on non-empty rows),
     ``empty_rows`` (count), ``empty_rows_zero`` (FlexAttention's output on them is all 0)
     and ``sdpa_empty_rows_zero`` (SDPA's is all 0; False when it is NaN or anything else).
+
+    Raises
+    ------
+    TypeError
+        ``mask_mod`` not callable, ``dense_mask`` not a bool tensor, a size that is not an
+        int, ``compile`` not a bool, a bad ``generator`` or ``dtype``.
+    ValueError
+        A size < 1, ``dense_mask`` not square, an unknown or absent device.
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    if not callable(mask_mod):
+        raise TypeError(
+            f"mask_mod: expected a mask_mod(b, h, q_idx, kv_idx), got {describe(mask_mod)}")
     validate_mask(dense_mask, "dense_mask")
+    check_int("n_heads", n_heads, minimum=1)
+    check_int("head_dim", head_dim, minimum=1)
+    check_int("batch", batch, minimum=1)
+    check_bool("compile", compile)
+    _check_generator(generator)
+    check_device("device", device)
+    _check_dtype(dtype)
     size = dense_mask.shape[0]
     dense_mask = dense_mask.to(device)
     shape = (batch, n_heads, size, head_dim)
