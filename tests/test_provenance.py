@@ -189,8 +189,12 @@ def test_begin_chapter_validates(tmp_path, monkeypatch):
     monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path))
     with pytest.raises(ValueError, match="scale"):
         prov.begin_chapter("demo", scale="huge", seed=0, device="cpu")
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(TypeError, match=r"^seed: expected an int, got '0' \(str\)$"):
         prov.begin_chapter("demo", scale="smoke", seed="0", device="cpu")
+    with pytest.raises(TypeError, match=r"^seed: expected an int, got 1\.5 \(float\)$"):
+        prov.begin_chapter("demo", scale="smoke", seed=1.5, device="cpu")
+    with pytest.raises(TypeError, match="name"):
+        prov.begin_chapter(3, scale="smoke", seed=0, device="cpu")
     with pytest.raises(ValueError, match="device"):
         prov.begin_chapter("demo", scale="smoke", seed=0, device="tpu")
     with pytest.raises(ValueError, match="required"):
@@ -223,3 +227,54 @@ def test_ids_are_unique_within_a_chapter(chapter, monkeypatch):
     monkeypatch.setenv(prov.ENV_CHAPTER, "demo")  # under the runner: a duplicate label
     with pytest.raises(ValueError, match="already used"):
         prov.save_figure(_figure(), "demo-same", "Twice in one run.")
+
+
+def test_rejected_call_leaves_its_id_free_for_a_corrected_retry(chapter, monkeypatch):
+    """Under the runner an id may be used once; a call refused for a bad argument (other
+    than the id) has not used it, so the corrected call in the same kernel succeeds."""
+    import numpy as np
+
+    monkeypatch.setenv(prov.ENV_CHAPTER, "demo")
+    fig = _figure()
+    with pytest.raises(ValueError, match="caption"):
+        prov.save_figure(fig, "demo-retry-fig", " ")
+    with pytest.raises(TypeError, match="fig"):
+        prov.save_figure("not a figure", "demo-retry-fig", "A line.")
+    prov.save_figure(fig, "demo-retry-fig", "A line.")
+    with pytest.raises(TypeError, match="table"):
+        prov.save_table([[1]], "demo-retry-table", "Numbers.")
+    prov.save_table(pd.DataFrame({"a": [1]}), "demo-retry-table", "Numbers.")
+    with pytest.raises(ValueError, match="kind"):
+        prov.claim("demo-retry-claim", 1.0, paper=1.0, tolerance=0.1, kind="approx",
+                   reference="this chapter", statement="One is one.")
+    with pytest.raises(TypeError, match="tolerance"):
+        prov.claim("demo-retry-claim", 1.0, paper=1.0, tolerance="0.1", kind="abs",
+                   reference="this chapter", statement="One is one.")
+    rec = prov.claim("demo-retry-claim", np.float64(1.0), paper=1.0, tolerance=0.1,
+                     kind="abs", reference="this chapter", statement="One is one.")
+    assert rec["verdict"] == "reproduced"
+    assert chapter.used_ids == {"demo-retry-fig": "figure_id",
+                                "demo-retry-table": "table_id",
+                                "demo-retry-claim": "claim_id"}
+    # ... and a real second use is still refused
+    with pytest.raises(ValueError, match="already used"):
+        prov.claim("demo-retry-claim", 1.0, paper=1.0, tolerance=0.1, kind="abs",
+                   reference="this chapter", statement="One is one.")
+
+
+def test_claim_measured_one_element_tensor_and_bad_tensors(chapter):
+    import torch
+
+    rec = prov.claim("demo-t", torch.tensor([0.5]), paper=0.5, tolerance=0.1, kind="abs",
+                     reference="this chapter", statement="A one-element tensor.")
+    assert rec["measured"] == 0.5 and rec["verdict"] == "reproduced"
+    rec = prov.claim("demo-b", torch.tensor(True), paper="qualitative", kind="holds",
+                     reference="this chapter", statement="A 0-d bool tensor.")
+    assert rec["measured"] is True and rec["verdict"] == "reproduced"
+    with pytest.raises(TypeError, match=r"shape \(2, 2\)"):
+        prov.claim("demo-m", torch.ones(2, 2), paper=0.5, tolerance=0.1, kind="abs",
+                   reference="this chapter", statement="Four numbers.")
+    with pytest.raises(ValueError, match="meta device"):
+        prov.claim("demo-m", torch.empty(1, device="meta"), paper=0.5, tolerance=0.1,
+                   kind="abs", reference="this chapter", statement="No value.")
+    assert not (chapter.output_dir / "claims" / "demo-m.json").exists()

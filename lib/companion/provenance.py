@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from companion._validate import check_choice, check_int, check_number, describe
+
 SCALES = ("smoke", "ci", "paper")
 VERDICTS = ("reproduced", "differs", "inconclusive", "not comparable")
 # A check (our own target, an implementation check, another paper's statement) is judged
@@ -221,18 +223,22 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
 
     Raises
     ------
-    ValueError for a missing or unknown scale, a non-integer seed or an unknown device.
+    TypeError
+        ``name`` is not a str, or ``seed`` is not an int (a float, a str, a bool).
+    ValueError
+        ``name`` is not a file stem, a required parameter is missing, the scale is
+        unknown, the device is unknown or absent, or the runner executes another chapter.
     """
     global _ACTIVE
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a chapter file stem like 'hasse', got {describe(name)}")
+    if not re.fullmatch(r"[a-z0-9_]+", name):
         raise ValueError(f"name: expected a chapter file stem like 'hasse', got {name!r}")
     for required in ("scale", "seed", "device"):
         if required not in params:
             raise ValueError(f"begin_chapter: parameter {required!r} is required")
-    if params["scale"] not in SCALES:
-        raise ValueError(f"scale: expected one of {SCALES}, got {params['scale']!r}")
-    if isinstance(params["seed"], bool) or not isinstance(params["seed"], int):
-        raise ValueError(f"seed: expected an int, got {params['seed']!r}")
+    check_choice("scale", params["scale"], SCALES)
+    params["seed"] = check_int("seed", params["seed"])
     from companion.devices import resolve_device
 
     device = resolve_device(params["device"])
@@ -288,7 +294,9 @@ def _check_id(kind: str, item_id: str, chapter: Chapter) -> None:
 
     Figures, tables and claims share one namespace (each id is a label on the page).
     Under the runner an id may be used once; run by hand, re-running a cell may save the
-    same item again.
+    same item again. This only checks: :func:`_register_id` records the id once every
+    other argument has been checked and the files are written, so that a call refused
+    for a bad argument can be retried, corrected, with the same id.
     """
     if not isinstance(item_id, str) or not _ID_RE.match(item_id):
         raise ValueError(
@@ -303,6 +311,9 @@ def _check_id(kind: str, item_id: str, chapter: Chapter) -> None:
             f"{kind}: id {item_id!r} is already used by a {previous.split('_')[0]} of this "
             "chapter; every figure, table and claim needs its own id"
         )
+
+
+def _register_id(kind: str, item_id: str, chapter: Chapter) -> None:
     chapter.used_ids[item_id] = kind
 
 
@@ -351,12 +362,24 @@ def save_figure(fig, figure_id: str, caption: str) -> dict[str, Any]:
     bytes (no dates in the metadata, fixed SVG hash salt).
 
     Returns the sidecar as a dict.
+
+    Raises
+    ------
+    TypeError
+        ``fig`` is not a matplotlib Figure.
+    ValueError
+        A bad or already used ``figure_id``, an empty ``caption``. Nothing is written
+        and the id stays free.
     """
     chapter = active_chapter()
     _check_id("figure_id", figure_id, chapter)
     if not isinstance(caption, str) or not caption.strip():
         raise ValueError("caption: expected a non-empty string saying what to see")
     import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    if not isinstance(fig, Figure):
+        raise TypeError(f"fig: expected a matplotlib Figure, got {describe(fig)}")
 
     folder = chapter.output_dir / "figures"
     files = {}
@@ -372,6 +395,7 @@ def save_figure(fig, figure_id: str, caption: str) -> dict[str, Any]:
                "files": files, **_provenance(chapter)}
     sidecar = Record(sidecar)
     atomic_write_text(folder / f"{figure_id}.json", dumps(sidecar))
+    _register_id("figure_id", figure_id, chapter)
 
     png = (folder / f"{figure_id}.png").read_bytes()
     import base64
@@ -413,6 +437,14 @@ def save_table(table, table_id: str, caption: str) -> dict[str, Any]:
     """Save a pandas DataFrame as CSV + Markdown with a JSON sidecar, and show it.
 
     Returns the sidecar as a dict.
+
+    Raises
+    ------
+    TypeError
+        ``table`` is not a pandas DataFrame.
+    ValueError
+        A bad or already used ``table_id``, an empty ``caption``. Nothing is written and
+        the id stays free.
     """
     chapter = active_chapter()
     _check_id("table_id", table_id, chapter)
@@ -437,6 +469,7 @@ def save_table(table, table_id: str, caption: str) -> dict[str, Any]:
                **_provenance(chapter)}
     sidecar = Record(sidecar)
     atomic_write_text(folder / f"{table_id}.json", dumps(sidecar))
+    _register_id("table_id", table_id, chapter)
     markdown = f"```{{table}} {_one_line(caption)}\n:name: {table_id}\n\n{md_text}```\n"
     _display_markdown(markdown, {"text/html": table.to_html(index=False)})
     return sidecar
@@ -444,6 +477,29 @@ def save_table(table, table_id: str, caption: str) -> dict[str, Any]:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _check_tolerance(tolerance: Any) -> float:
+    """A tolerance: a real number >= 0 (infinity allowed: no constraint), else raise."""
+    return check_number("tolerance", tolerance, minimum=0, finite=False)
+
+
+_MEASURED = "a number or a bool (or a 1-element tensor)"
+
+
+def _scalar_measured(measured: Any) -> Any:
+    """``measured`` with a one-element tensor or array turned into its Python scalar."""
+    if isinstance(measured, (list, tuple)) or not hasattr(measured, "item"):
+        return measured
+    shape = getattr(measured, "shape", None)
+    if shape is not None and math.prod(shape) != 1:
+        raise TypeError(f"measured: expected {_MEASURED}, got a tensor of shape {tuple(shape)}")
+    if getattr(getattr(measured, "device", None), "type", None) == "meta":
+        raise ValueError("measured: expected a tensor with values, got one on the meta device")
+    try:
+        return measured.item()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"measured: expected {_MEASURED}, got {describe(measured)}") from exc
 
 
 def acceptance_region(paper: Any, tolerance: Any, kind: str) -> tuple[float, float]:
@@ -472,9 +528,7 @@ def acceptance_region(paper: Any, tolerance: Any, kind: str) -> tuple[float, flo
         raise ValueError(f"paper: kind {kind!r} expects a number, got {paper!r}")
     if kind in ("abs", "rel") and tolerance is None:
         raise ValueError(f"tolerance: kind {kind!r} needs a tolerance")
-    tol = 0.0 if tolerance is None else float(tolerance)
-    if not tol >= 0:
-        raise ValueError(f"tolerance: expected a number >= 0, got {tolerance!r}")
+    tol = 0.0 if tolerance is None else _check_tolerance(tolerance)
     p = float(paper)
     if kind == "abs":
         return p - tol, p + tol
@@ -585,6 +639,16 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
     Returns
     -------
     The claim record (dict) with its "verdict".
+
+    Raises
+    ------
+    TypeError
+        ``measured`` of the wrong type for ``kind`` (a tensor of several elements, a
+        number for "holds"), a ``tolerance`` that is not a number.
+    ValueError
+        A bad or already used ``claim_id``, an empty ``reference`` or ``statement``, an
+        unknown ``kind`` or ``role``, a ``paper``, ``tolerance`` or ``interval`` that does
+        not fit ``kind``. Nothing is written and the id stays free.
     """
     chapter = active_chapter()
     _check_id("claim_id", claim_id, chapter)
@@ -594,8 +658,9 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         raise ValueError("statement: expected one sentence saying what is checked")
     if role not in ROLES:
         raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
-    if hasattr(measured, "item") and not isinstance(measured, (list, tuple)):
-        measured = measured.item()
+    measured = _scalar_measured(measured)
+    if tolerance is not None:
+        _check_tolerance(tolerance)
     if isinstance(paper, list):
         paper = tuple(paper)
     if interval is not None:
@@ -612,6 +677,7 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         **_provenance(chapter),
     })
     atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
+    _register_id("claim_id", claim_id, chapter)
     paper_text = describe_value(paper if paper is not None else "not available")
     tol_text = "" if tolerance is None else f" · tolerance {describe_value(tolerance)}"
     ci_text = "" if interval is None else f" (interval {describe_value(interval)})"
