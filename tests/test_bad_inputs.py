@@ -33,6 +33,7 @@ from companion import corpora, devices, edge_attention as EA, gradient_flow as g
 from companion import masked_transformer as MT
 from companion import masks as M
 from companion import reachability as RR
+from companion import provenance as prov
 from companion import sbm
 from companion import task_merge as T
 from companion._validate import check_choice, check_int, check_number, check_tensor
@@ -418,6 +419,59 @@ ROWS = [
         lambda: MT.incremental_forward(_model(), torch.ones(3, 4, dtype=torch.float64),
                                        M.causal(3), [[0], [1]]), ValueError,
         r"^groups: expected a partition of the positions 0\.\.P-1$"),
+    Row("masked_transformer.init float d_model", "type",
+        lambda: MT.init_masked_transformer(4.0), TypeError,
+        r"^d_model: expected an int >= 1, got 4\.0 \(float\)$"),
+    Row("masked_transformer n_layers < 0", "negative",
+        lambda: MT.masked_transformer(_model(), torch.ones(3, 4, dtype=torch.float64),
+                                      M.causal(3), n_layers=-1), ValueError,
+        r"^n_layers: expected an int in \[0, 1\], got -1$"),
+    Row("masked_transformer n_layers > L", "negative",
+        lambda: MT.masked_transformer(_model(), torch.ones(3, 4, dtype=torch.float64),
+                                      M.causal(3), n_layers=2), ValueError,
+        r"^n_layers: expected an int in \[0, 1\], got 2$"),
+    Row("masked_transformer float n_layers", "type",
+        lambda: MT.masked_transformer(_model(), torch.ones(3, 4, dtype=torch.float64),
+                                      M.causal(3), n_layers=1.5), TypeError,
+        r"^n_layers: expected an int in \[0, 1\] or None, got 1\.5 \(float\)$"),
+    Row("masked_transformer float32 x, float64 model", "dtype",
+        lambda: MT.masked_transformer(_model(), torch.ones(3, 4), M.causal(3)), TypeError,
+        r"^x: expected dtype torch\.float64 like the model, got torch\.float32$"),
+    Row("masked_transformer NaN x", "nan",
+        lambda: MT.masked_transformer(_model(), torch.full((3, 4), NAN, dtype=torch.float64),
+                                      M.causal(3)), ValueError,
+        r"^x: expected finite values, got NaN or infinity$"),
+    Row("masked_transformer.dependency_pattern meta x", "device",
+        lambda: MT.dependency_pattern(_model(), _meta(3, 4, dtype=torch.float64), M.causal(3)),
+        ValueError, r"^x: expected a tensor with values, got one on the meta device$"),
+    Row("masked_transformer.block_two_stream_schedule block 0", "negative",
+        lambda: MT.block_two_stream_schedule(4, 0), ValueError,
+        r"^block: expected an int >= 1, got 0$"),
+    Row("masked_transformer.embed_task_inputs too few token rows", "shape",
+        lambda: MT.embed_task_inputs(_model(), T.leaky_bidirectional(3),
+                                     torch.ones(2, 4, dtype=torch.float64)), ValueError,
+        r"^token_embeddings: expected at least 3 rows \(one per token of the task\), got 2$"),
+    Row("masked_transformer.embed_task_inputs float32 embeddings", "dtype",
+        lambda: MT.embed_task_inputs(_model(), T.leaky_bidirectional(3), torch.ones(2, 4)),
+        TypeError,
+        r"^token_embeddings: expected dtype torch\.float64 like the model, got torch\.float32$"),
+    Row("masked_transformer.incremental_forward str groups", "type",
+        lambda: MT.incremental_forward(_model(), torch.ones(3, 4, dtype=torch.float64),
+                                       M.causal(3), "012"), TypeError,
+        r"^groups: expected a sequence of position lists, got '012' \(str\)$"),
+    Row("masked_transformer.flex_vs_sdpa n_heads 0", "negative",
+        lambda: MT.flex_vs_sdpa(M.causal_mask_mod, M.causal(4), n_heads=0), ValueError,
+        r"^n_heads: expected an int >= 1, got 0$"),
+    # ------------------------------------------------------------------ provenance
+    Row("provenance.begin_chapter float seed", "type",
+        lambda: prov.begin_chapter("x", scale="smoke", seed=1.5, device="cpu"), TypeError,
+        r"^seed: expected an int, got 1\.5 \(float\)$"),
+    Row("provenance.begin_chapter unknown scale", "unknown name",
+        lambda: prov.begin_chapter("x", scale="huge", seed=0, device="cpu"), ValueError,
+        r"^scale: expected one of \('smoke', 'ci', 'paper'\), got 'huge'$"),
+    Row("provenance.judge_claim str tolerance", "type",
+        lambda: prov.judge_claim(1.0, 1.0, "abc", "abs"), TypeError,
+        r"^tolerance: expected a number >= 0, got 'abc' \(str\)$"),
     # ------------------------------------------------------------------ context_similarity
     Row("context_similarity.similarity_matrices 4-D", "shape",
         lambda: _cs().similarity_matrices(torch.ones(1, 1, 2, 2)), ValueError,
@@ -609,6 +663,48 @@ def test_missing_installed_corpus_is_a_value_error_naming_the_install(tmp_path):
     assert "python -m companion.corpora install --only brown" in str(excinfo.value)
 
 
+SIDECAR_DAMAGE = [
+    ("claims", "truncated", '{"id": "demo-c", "verdict": "reprod', r"JSONDecodeError"),
+    ("claims", "a list", "[]", r"a JSON list, not an object"),
+    ("claims", "no id", '{"verdict": "reproduced"}', r"no string 'id' field"),
+    ("figures", "truncated", '{"id": "demo-f", "files": {', r"JSONDecodeError"),
+    ("figures", "a number", "3", r"a JSON int, not an object"),
+    ("figures", "not UTF-8", b'{"id": "\xff"}', r"UnicodeDecodeError"),
+]
+
+
+@pytest.mark.parametrize("folder, what, content, reason", SIDECAR_DAMAGE,
+                         ids=[f"{f} {w}" for f, w, _, _ in SIDECAR_DAMAGE])
+def test_damaged_sidecar_names_file_and_fix(demo_project, capsys, folder, what, content,
+                                            reason):
+    """A claim or figure sidecar cut short (a killed run, a full disk) or not a record is
+    neither skipped (the report would under-count with no sign) nor a crash: a
+    ValueError names the file and the command that regenerates it, and
+    ``python -m companion pages`` reports it (exit 2, no traceback, old pages kept)."""
+    from companion import cli, pages
+
+    path = demo_project.assets("demo") / folder / "demo-bad.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    page = pages.reproduction_report if folder == "claims" else pages.figure_index
+    kind = "claim" if folder == "claims" else "figure"
+    with pytest.raises(ValueError) as excinfo:
+        page(demo_project)
+    message = str(excinfo.value)
+    assert message.startswith(f"{path}: not a {kind} record (")
+    assert re.search(reason, message), message
+    assert message.endswith("re-run the chapter with `python -m companion run demo --force`")
+    assert _raised_in_library(excinfo)
+
+    demo_project.generated.mkdir(parents=True, exist_ok=True)
+    old = demo_project.generated / "reproduction_report.md"
+    old.write_text("previous report\n")
+    assert cli.main(["pages", "--root", str(demo_project.root)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: not a {kind} record" in err and "Traceback" not in err
+    assert old.read_text() == "previous report\n"
+
+
 def test_truncated_run_record_counts_as_no_record(demo_project):
     """runs/<name>.json cut short is a cache miss: the runner re-runs the chapter rather
     than trusting (or crashing on) the record."""
@@ -682,6 +778,27 @@ WRITER_ROWS = [
      lambda p: p.claim("bad-inputs-c", 1.0, paper=1.0, tolerance=-0.1,
                        reference="this chapter", kind="abs", statement="One is one."),
      ValueError, r"^tolerance: expected (a number )?>= 0, got -0\.1$"),
+    ("save_figure not a figure",
+     lambda p: p.save_figure("not a figure", "bad-inputs-f", "A caption."), TypeError,
+     r"^fig: expected a matplotlib Figure, got 'not a figure' \(str\)$"),
+    ("claim str tolerance",
+     lambda p: p.claim("bad-inputs-c", 1.0, paper=1.0, tolerance="abc",
+                       reference="this chapter", kind="abs", statement="One is one."),
+     TypeError, r"^tolerance: expected a number >= 0, got 'abc' \(str\)$"),
+    ("claim str tolerance, paper not available",
+     lambda p: p.claim("bad-inputs-c", 1.0, paper="not available", tolerance="abc",
+                       reference="this chapter", kind="abs", statement="One is one."),
+     TypeError, r"^tolerance: expected a number >= 0, got 'abc' \(str\)$"),
+    ("claim measured a 3-element tensor",
+     lambda p: p.claim("bad-inputs-c", torch.ones(3), paper=1.0, tolerance=0.1,
+                       reference="this chapter", kind="abs", statement="One is one."),
+     TypeError, r"^measured: expected a number or a bool \(or a 1-element tensor\), got a "
+                r"tensor of shape \(3,\)$"),
+    ("claim measured a 2-element array",
+     lambda p: p.claim("bad-inputs-c", np.ones(2), paper=1.0, tolerance=0.1,
+                       reference="this chapter", kind="abs", statement="One is one."),
+     TypeError, r"^measured: expected a number or a bool \(or a 1-element tensor\), got a "
+                r"tensor of shape \(2,\)$"),
 ]
 
 
@@ -695,6 +812,9 @@ def test_writers_reject_bad_input_and_write_nothing(chapter_dir, name, call, exc
     assert _raised_in_library(excinfo)
     written = [p for p in chapter_dir.rglob("*") if p.is_file()] if chapter_dir.exists() else []
     assert written == [], f"a rejected call left files behind: {written}"
+    # the id stays free: under the runner a corrected retry with the same id must not be
+    # refused as "already used"
+    assert prov.active_chapter().used_ids == {}
 
 
 # ------------------------------------------------------------------ CLI
@@ -742,63 +862,11 @@ def test_cli_rejects_bad_arguments_with_exit_2(demo_project, capsys, name, argv,
 # closing report of issue 11, item 8). Data only: (module, call, what happens now,
 # what should happen). Move a row into ROWS once its module validates it.
 PENDING_ROWS = [
-    # provenance (lead)
-    ("provenance", 'save_figure("not a figure", "<prefix>-f", "A caption.")',
-     "AttributeError: 'str' object has no attribute 'savefig' (from inside the render loop)",
-     "TypeError: fig: expected a matplotlib Figure, got 'not a figure' (str)"),
-    ("provenance", 'claim(..., kind="abs", paper=1.0, tolerance="abc")',
-     "ValueError: could not convert string to float: 'abc'",
-     "TypeError: tolerance: expected a number >= 0, got 'abc' (str)"),
-    ("provenance", 'claim(..., measured=torch.ones(3), kind="abs", ...)',
-     "RuntimeError: a Tensor with 3 elements cannot be converted to Scalar",
-     "TypeError: measured: expected a number or a bool (or a 1-element tensor), got a "
-     "tensor of shape (3,)"),
-    ("provenance", "save_figure/save_table/claim with a bad caption, table or kind",
-     "the id is registered in chapter.used_ids before the other arguments are checked, so "
-     "under the runner a corrected retry in the same kernel fails with 'id ... is already "
-     "used'", "check every argument first, register the id last"),
-    ("provenance", 'begin_chapter("x", scale="smoke", seed=1.5, device="cpu")',
-     "ValueError: seed: expected an int, got 1.5", "TypeError (wrong type), same message"),
-    # pages (lead)
-    ("pages", "reproduction_report with a truncated claims/<id>.json",
-     "the claim is skipped silently (_load_sidecars catches JSONDecodeError): the report "
-     "under-counts with no sign",
-     "ValueError: <path>: not a claim record (JSONDecodeError ...); re-run the chapter with "
-     "`python -m companion run <name> --force`"),
-    ("pages", "reproduction_report with a claims/<id>.json holding [] (valid JSON, not an object)",
-     "AttributeError: 'list' object has no attribute 'get' (sort key)",
-     "ValueError naming the file, as above"),
     # runner (helper 1)
     ("runner", "load_record with a truncated runs/<name>.json",
      "returns None silently (a cache miss: the chapter re-runs, and a failure of that run "
      "has no last_good to keep marked)",
      "re-run, but echo a warning naming runs/<name>.json as unreadable"),
-    # masked_transformer (helper 5)
-    ("masked_transformer", "init_masked_transformer(4.0)",
-     "ValueError: d_model: expected an int >= 1, got 4.0", "TypeError, same message"),
-    ("masked_transformer", "masked_transformer(model, x, mask, n_layers=-1)",
-     "no error: layers[:-1] silently drops the last layer",
-     "ValueError: n_layers: expected an int in [0, L], got -1"),
-    ("masked_transformer", "masked_transformer(model, x, mask, n_layers=1.5)",
-     "TypeError: slice indices must be integers or None or have an __index__ method",
-     "TypeError: n_layers: expected an int in [0, L] or None, got 1.5 (float)"),
-    ("masked_transformer", "masked_transformer(float64 model, float32 x, mask)",
-     "RuntimeError from F.layer_norm: mixed dtype (CPU): expect parameter to have scalar "
-     "type of Float", "TypeError: x: expected dtype torch.float64 like the model"),
-    ("masked_transformer", "masked_transformer(model, x full of NaN, mask)",
-     "no error: NaN outputs", "ValueError: x: expected finite values, got NaN or infinity"),
-    ("masked_transformer", "block_two_stream_schedule(4, 0)",
-     "ZeroDivisionError: integer division or modulo by zero",
-     "ValueError: block: expected an int >= 1, got 0"),
-    ("masked_transformer", "embed_task_inputs(model, leaky_bidirectional(3), torch.ones(2, 4))",
-     "IndexError: index 2 is out of bounds for dimension 0 with size 2",
-     "ValueError: token_embeddings: expected at least 3 rows (one per token of the task), got 2"),
-    ("masked_transformer", 'incremental_forward(model, x, mask, "012")',
-     "TypeError: new(): invalid data type 'str'",
-     "TypeError: groups: expected a sequence of position lists, got '012' (str)"),
-    ("masked_transformer", "flex_vs_sdpa(causal_mask_mod, causal(4), n_heads=0)",
-     "ZeroDivisionError deep inside torch/_higher_order_ops/flex_attention.py",
-     "ValueError: n_heads: expected an int >= 1, got 0"),
     # sbm (helper 2)
     ("sbm", "SBMAttention(4, 2, 2.5)",
      "ValueError: num_clusters: expected a positive int, got 2.5", "TypeError, same message"),
