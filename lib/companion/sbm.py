@@ -528,8 +528,8 @@ def _rejection_draw(
     Propose ``c`` uniformly and accept with probability ``accept[r, c]``; rejected draws
     are proposed again, so ``Pr[c] = weight[r, c] / sum_c weight[r, c]`` exactly.  One
     look-up per proposal and no table to search, expected ``max / mean`` proposals per
-    draw (about two for sigmoid memberships, and bounded by the caller, which falls back
-    to :func:`_search_rows` for skewed rows)."""
+    draw (about two for sigmoid memberships; with ``key_draw="auto"`` the caller bounds it
+    by falling back to :func:`_search_rows` for skewed rows)."""
     out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
     pending = None  # indices into out still to draw (None: all of them)
     while base.numel():
