@@ -1,7 +1,10 @@
 """Generated pages, environment pins, and the built book checked in headless Chromium."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -92,3 +95,40 @@ def test_browser_check_detects_broken_image(demo_project):
         img.write_bytes(b"not a png")
     report = check_book(p, html_dir, pages=["book/_generated/chapters/demo.html"])
     assert not report.ok and "images not loaded" in report.summary()
+    proc = _cli(p, "check-html")  # what `make book` runs: a problem is a non-zero exit
+    assert proc.returncode == 1 and "images not loaded" in proc.stdout, proc.stdout
+
+
+def _cli(project, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "companion", *args, "--root", str(project.root)],
+                          capture_output=True, text=True, env=env)
+
+
+def test_check_html_without_a_browser_is_skipped_with_exit_0(demo_project, tmp_path):
+    """The README: without chromium/chromedriver the check is skipped, saying why."""
+    html = demo_project.build_dir / "html"
+    html.mkdir(parents=True)
+    (html / "index.html").write_text("<html></html>")
+    empty_path = tmp_path / "no-browser-bin"  # a PATH on which no browser can be found
+    empty_path.mkdir()
+    proc = _cli(demo_project, "check-html", env={**os.environ, "PATH": str(empty_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "check-html skipped: chromium/chromedriver not installed" in proc.stdout
+
+
+def test_check_html_report_exit_codes():
+    from companion.htmlcheck import PageResult, Report
+
+    assert Report([PageResult("a.html")]).exit_code == 0
+    assert Report([], skipped="no browser").exit_code == 0
+    broken = Report([PageResult("a.html"), PageResult("b.html", problems=["images not loaded"])])
+    assert not broken.ok and broken.exit_code == 1 and "FAIL: images not loaded" in broken.summary()
+    missing = Report([], error="no built book at x")
+    assert not missing.ok and missing.exit_code == 2
+
+
+def test_check_html_without_a_built_book_fails(demo_project):
+    proc = _cli(demo_project, "check-html")
+    assert proc.returncode == 2
+    assert "no built book" in proc.stdout
+

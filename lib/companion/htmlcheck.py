@@ -5,6 +5,11 @@ of contents is opened and must: load, have every ``<img>`` loaded (naturalWidth 
 render its maths with the local MathJax (no script fetched from another host), and log
 no console error. A screenshot of each page is saved under
 ``<build>/../screenshots/``.
+
+Outcomes (the exit code of ``python -m companion check-html``, :attr:`Report.exit_code`):
+a problem on any page is a failure (1); no built book to check is an error (2); a
+missing Chromium or chromedriver *skips* the check (0, so ``make book`` still succeeds
+where no browser can be installed), and the summary prints why.
 """
 from __future__ import annotations
 
@@ -41,14 +46,27 @@ class PageResult:
 
 @dataclass
 class Report:
+    """What the check found: per-page results, or why it was skipped or could not run."""
+
     pages: list[PageResult]
-    skipped: str = ""
+    skipped: str = ""  # the check did not run (no browser): not a failure
+    error: str = ""  # the check could not run (no built book): a failure
 
     @property
     def ok(self) -> bool:
-        return not self.skipped and all(not p.problems for p in self.pages)
+        """No page has a problem (True also when the check was skipped)."""
+        return not self.error and all(not p.problems for p in self.pages)
+
+    @property
+    def exit_code(self) -> int:
+        """0 ok or skipped, 1 a page has a problem, 2 nothing to check."""
+        if self.error:
+            return 2
+        return 0 if self.ok else 1
 
     def summary(self) -> str:
+        if self.error:
+            return f"check-html error: {self.error}"
         if self.skipped:
             return f"check-html skipped: {self.skipped}"
         lines = []
@@ -111,7 +129,7 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
     """Open every page in headless Chromium and report what is broken (see module doc)."""
     build_dir = Path(build_dir)
     if not (build_dir / "index.html").exists():
-        return Report([], skipped=f"no built book at {build_dir} (run 'make book' first)")
+        return Report([], error=f"no built book at {build_dir} (run 'make book' first)")
     browser, driver_path = find_browser()
     if not browser or not driver_path:
         return Report([], skipped="chromium/chromedriver not installed (make setup installs "
