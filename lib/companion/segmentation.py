@@ -1,0 +1,488 @@
+"""Unsupervised sentence segmentation read from token-similarity matrices.
+
+Halevi et al. observe that in the final layers the context similarity of head outputs
+spreads within a sentence and drops across sentence boundaries, which "suggests a
+semantic text segmentation mechanism". This module turns a window's similarity matrices
+into predicted boundaries, so that the suggestion can be scored against gold sentences
+(:mod:`companion.segmentation_eval`).
+
+Boundaries
+----------
+A segmentation of ``n`` tokens is a boolean vector ``b`` of length ``n``: ``b[t]`` is True
+when a segment starts at token ``t`` (so ``b[0]`` is always False). Every function here
+works on a batch ``[..., n]`` (or ``[..., n, n]`` for matrices).
+
+The segmenter
+-------------
+Given a symmetric similarity matrix ``M`` (zero diagonal) the optimal segmentation with
+per-boundary penalty ``beta`` maximises
+
+.. math:: \\sum_{\\text{segments } [a, b)} \\; \\sum_{a \\le i < j < b} M_{ij}
+          \\; - \\; \\beta \\cdot \\#\\text{boundaries},
+
+the total similarity of the pairs kept inside one segment, less the penalty (a line
+version of correlation clustering; ``M`` is standardised so that an average pair scores
+zero and pairs more similar than average pull their tokens into one segment). The exact
+optimum is a dynamic programme over segment ends, ``F(b) = max_a F(a) + W(a, b) - beta``
+with ``W`` from a prefix-sum table: :func:`optimal_segmentation` (vectorised over windows
+and penalties, O(n^2) per window and penalty) and :func:`optimal_segmentation_reference`
+(plain loops that sum ``W`` pair by pair, the definition as code, O(n^4)).
+
+:func:`combine` turns per-head matrices ``[B, L, H, n, n]`` of chosen layers and heads
+into one standardised ``M`` per window (each head z-scored over its off-diagonal entries,
+averaged, z-scored again; optionally the mean at each token distance removed, so that
+locality alone scores zero), and :func:`segment` runs the two steps.
+
+Baselines
+---------
+:func:`texttiling` (Hearst 1997, on vectors: cosine of the mean vectors of the blocks
+left and right of each gap, depth scores, cut where the depth exceeds mean + ``cutoff``
+standard deviations), :func:`random_boundaries` (independent boundaries at a rate) and
+:func:`even_boundaries` (evenly spaced).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from companion._validate import check_bool, check_int, check_number, check_tensor
+
+__all__ = [
+    "combine",
+    "detrend",
+    "head_selection",
+    "even_boundaries",
+    "optimal_segmentation",
+    "optimal_segmentation_reference",
+    "random_boundaries",
+    "segment",
+    "segment_gains",
+    "standardise",
+    "texttiling",
+    "texttiling_scores",
+]
+
+
+def _check_square(name: str, m) -> torch.Tensor:
+    check_tensor(name, m, min_ndim=2, floating=True, finite=True, nonempty=True)
+    if m.shape[-1] != m.shape[-2]:
+        raise ValueError(f"{name}: expected square matrices [..., n, n], got {tuple(m.shape)}")
+    return m
+
+
+def _penalties(penalty) -> tuple[torch.Tensor, bool]:
+    """(1-D float64 tensor of penalties, whether a scalar was given)."""
+    if isinstance(penalty, torch.Tensor):
+        if penalty.dim() > 1 or penalty.numel() == 0 or not penalty.is_floating_point():
+            raise ValueError(
+                f"penalty: expected a number or a 1-D float tensor of penalties, got "
+                f"{penalty.dtype} {tuple(penalty.shape)}")
+        if not torch.isfinite(penalty).all():
+            raise ValueError("penalty: expected finite values")
+        return penalty.detach().reshape(-1).to(torch.float64), penalty.dim() == 0
+    if isinstance(penalty, (list, tuple)):
+        if not penalty:
+            raise ValueError("penalty: expected at least one penalty, got an empty sequence")
+        vals = [check_number("penalty", p) for p in penalty]
+        return torch.tensor(vals, dtype=torch.float64), False
+    return torch.tensor([check_number("penalty", penalty)], dtype=torch.float64), True
+
+
+# --------------------------------------------------------------------------- matrices
+
+
+def standardise(m: torch.Tensor) -> torch.Tensor:
+    """Z-score each matrix over its off-diagonal entries; the diagonal becomes 0.
+
+    Parameters
+    ----------
+    m : Tensor [..., n, n], n >= 2.
+
+    Returns
+    -------
+    Tensor [..., n, n] of the same dtype: ``(m - mean) / std`` off the diagonal (mean and
+    population std of the ``n(n-1)`` off-diagonal entries of each matrix; a constant
+    matrix gives zeros), 0 on it.
+    """
+    _check_square("m", m)
+    if m.shape[-1] < 2:
+        raise ValueError(f"m: expected n >= 2 tokens, got {m.shape[-1]}")
+    return _standardise(m)
+
+
+def _standardise(m: torch.Tensor) -> torch.Tensor:
+    n = m.shape[-1]
+    off = ~torch.eye(n, dtype=torch.bool, device=m.device)
+    cnt = n * (n - 1)
+    x = m.masked_fill(~off, 0)
+    mean = x.sum((-1, -2), keepdim=True) / cnt
+    dev = (x - mean).masked_fill(~off, 0)
+    std = (dev.square().sum((-1, -2), keepdim=True) / cnt).sqrt()
+    return dev / torch.where(std > 0, std, torch.ones_like(std))
+
+
+def detrend(m: torch.Tensor) -> torch.Tensor:
+    """Subtract from every entry the mean of its diagonal ``|i - j|`` (per matrix), so that
+    a similarity that depends on distance alone becomes 0; the diagonal is set to 0.
+
+    Parameters
+    ----------
+    m : Tensor [..., n, n].
+
+    Returns
+    -------
+    Tensor [..., n, n].
+    """
+    _check_square("m", m)
+    return _detrend(m)
+
+
+def _detrend(m: torch.Tensor) -> torch.Tensor:
+    n = m.shape[-1]
+    idx = torch.arange(n, device=m.device)
+    dist = (idx[:, None] - idx[None, :]).abs()  # [n, n]
+    flat = m.reshape(*m.shape[:-2], n * n)
+    sums = torch.zeros(*m.shape[:-2], n, dtype=m.dtype, device=m.device)
+    sums.index_add_(-1, dist.reshape(-1), flat)
+    counts = torch.bincount(dist.reshape(-1), minlength=n).to(m.dtype)
+    means = sums / counts
+    out = m - means[..., dist]
+    out.diagonal(dim1=-2, dim2=-1).zero_()
+    return out
+
+
+def combine(sims: torch.Tensor, layers=None, heads=None, *, symmetrise: bool = False,
+            detrend: bool = False, standardised: bool = False) -> torch.Tensor:
+    """One standardised similarity matrix per window from per-head matrices.
+
+    Parameters
+    ----------
+    sims : Tensor [B, L, H, n, n]
+        Per-layer, per-head matrices of the tokens to segment (e.g. the content tokens of
+        :func:`companion.context_similarity.similarity_matrices`, or attention maps).
+    layers : sequence of int, optional
+        Layer indices (0-based) to use; default all.
+    heads : sequence of int, or a dict {layer: sequence of int}, optional
+        Head indices used in every chosen layer, or per layer; default all.
+    symmetrise : bool
+        Use ``(S + S^T) / 2`` (for attention maps, which are not symmetric).
+    detrend : bool
+        After averaging, subtract the mean at each token distance (:func:`detrend`), so
+        that pure locality (similarity that only depends on distance) scores zero.
+    standardised : bool
+        ``sims`` is already standardised head by head (:func:`standardise`, after any
+        symmetrising): skip that step.
+
+    Returns
+    -------
+    Tensor [B, n, n], float64: each head's matrix standardised (:func:`standardise`),
+    averaged over the chosen heads and layers, (detrended,) standardised again.
+    """
+    check_tensor("sims", sims, ndim=5, floating=True, nonempty=True,
+                 shape_text="[B, L, H, n, n]")
+    if sims.shape[-1] != sims.shape[-2] or sims.shape[-1] < 2:
+        raise ValueError(f"sims: expected square matrices [B, L, H, n, n] with n >= 2, got "
+                         f"{tuple(sims.shape)}")
+    selection = head_selection(sims.shape[1], sims.shape[2], layers, heads)
+    symmetrise = check_bool("symmetrise", symmetrise)
+    detrend = check_bool("detrend", detrend)
+    standardised = check_bool("standardised", standardised)
+    if symmetrise and standardised:
+        raise ValueError("symmetrise: standardised input is already symmetrised (or not): "
+                         "pass symmetrise=False with standardised=True")
+
+    def prepare(s):
+        if symmetrise:
+            s = 0.5 * (s + s.transpose(-1, -2))
+        return s if standardised else _standardise(s)
+
+    sums = [_head_sum(sims, ly, hs, prepare) for ly, hs in selection.items()]
+    return _combine_sums(sums, sum(len(hs) for hs in selection.values()), detrend)
+
+
+def head_selection(n_layers: int, n_heads: int, layers=None, heads=None) -> dict:
+    """Validate a choice of layers and heads; return ``{layer: [heads]}`` (ordered)."""
+    if layers is None:
+        layers = list(range(n_layers))
+    if isinstance(layers, (int, str)) or not hasattr(layers, "__iter__"):
+        raise TypeError(
+            f"layers: expected a sequence of layer indices, got {type(layers).__name__}")
+    layers = [check_int("layers", ly, minimum=0, maximum=n_layers - 1) for ly in layers]
+    if not layers:
+        raise ValueError("layers: expected at least one layer")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers: expected distinct layers, got {layers}")
+    if isinstance(heads, dict):
+        missing = [ly for ly in layers if ly not in heads]
+        if missing:
+            raise ValueError(f"heads: no head list for layers {missing}")
+        chosen = {ly: heads[ly] for ly in layers}
+    else:
+        chosen = {ly: heads for ly in layers}
+    out = {}
+    for ly, hs in chosen.items():
+        if hs is None:
+            hs = list(range(n_heads))
+        if isinstance(hs, (int, str)) or not hasattr(hs, "__iter__"):
+            raise TypeError(f"heads: expected a sequence of head indices, got {type(hs).__name__}")
+        hs = [check_int("heads", h, minimum=0, maximum=n_heads - 1) for h in hs]
+        if not hs or len(set(hs)) != len(hs):
+            raise ValueError(f"heads: expected distinct heads, at least one, for layer {ly}, "
+                             f"got {hs}")
+        out[ly] = hs
+    return out
+
+
+def _head_sum(sims, layer, heads, prepare=None) -> torch.Tensor:
+    """Sum over ``heads`` of layer ``layer``'s (prepared) matrices, float64 [B, n, n]."""
+    s = sims[:, layer, heads].to(torch.float64)
+    if prepare is not None:
+        s = prepare(s)
+    return s.sum(1)
+
+
+def _combine_sums(sums, count: int, detrend: bool) -> torch.Tensor:
+    total = sums[0]
+    for s in sums[1:]:
+        total = total + s
+    m = total / count
+    if detrend:
+        m = _detrend(m)
+    return _standardise(m)
+
+
+# --------------------------------------------------------------------------- segmenter
+
+
+def segment_gains(m: torch.Tensor) -> torch.Tensor:
+    """``W[..., a, b] = sum_{a <= i < j < b} M_ij`` for all ``0 <= a <= b <= n``.
+
+    From the prefix sums ``P[r, c] = sum_{i < r, j < c, i < j} M_ij`` of the strict upper
+    triangle: ``W(a, b) = P[b, b] - P[a, b]`` (entries with ``a > b`` are meaningless).
+    Returns float64 [..., n + 1, n + 1].
+    """
+    _check_square("m", m)
+    u = torch.triu(m.to(torch.float64), diagonal=1)
+    p = torch.nn.functional.pad(u.cumsum(-2).cumsum(-1), (1, 0, 1, 0))  # [..., n+1, n+1]
+    diag = p.diagonal(dim1=-2, dim2=-1)  # P[b, b], [..., n+1]
+    return diag.unsqueeze(-2) - p
+
+
+def optimal_segmentation(m: torch.Tensor, penalty) -> torch.Tensor:
+    """The exact optimal segmentation of every matrix, for every penalty (fast).
+
+    Maximises the within-segment similarity less ``penalty`` per boundary (see the module
+    docstring) by dynamic programming over segment ends, vectorised over the batch and
+    the penalties.
+
+    Parameters
+    ----------
+    m : Tensor [..., n, n], symmetric similarity (only the strict upper triangle is read).
+    penalty : float, or a 1-D tensor / sequence of P penalties.
+
+    Returns
+    -------
+    BoolTensor [..., n] for a scalar penalty, [..., P, n] for several: True where a
+    segment starts (index 0 is always False). Ties go to the earliest segment start.
+
+    Complexity
+    ----------
+    O(n^2) time per matrix and penalty (n Python-level steps, each one vectorised
+    reduction), O(n^2) memory per matrix plus O(n) per penalty.
+    """
+    _check_square("m", m)
+    pen, scalar = _penalties(penalty)
+    n = m.shape[-1]
+    # row b of wt holds W(a, b) for every start a: contiguous reads in the loop below
+    wt = segment_gains(m).transpose(-1, -2).contiguous()  # [..., n+1 (end), n+1 (start)]
+    batch = m.shape[:-2]
+    dev = wt.device
+    pen = pen.to(dev)
+    n_pen = pen.shape[0]
+    back = torch.zeros(*batch, n_pen, n + 1, dtype=torch.long, device=dev)
+    # penalty charged for a segment [a, b) that starts a new segment (a > 0)
+    charge = pen[:, None] * (torch.arange(n + 1, device=dev) > 0).to(torch.float64)
+    # g[a] = F(a) - (penalty if a > 0): the candidate for start a is g[a] + W(a, b)
+    g = (-charge).expand(*batch, n_pen, n + 1).clone()
+    for b in range(1, n + 1):
+        cand = g[..., :b] + wt[..., None, b, :b]
+        best, arg = cand.max(-1)  # first maximum: ties go to the earliest start
+        g[..., b] = best - charge[:, b]
+        back[..., b] = arg
+    out = torch.zeros(*batch, n_pen, n + 1, dtype=torch.bool, device=dev)
+    pos = torch.full((*batch, n_pen, 1), n, dtype=torch.long, device=dev)
+    for _ in range(n):
+        start = back.gather(-1, pos)
+        out.scatter_(-1, start, True)
+        pos = start
+        if not bool(pos.any()):
+            break
+    res = out[..., :n].clone()
+    res[..., 0] = False
+    return res[..., 0, :] if scalar else res
+
+
+def optimal_segmentation_reference(m: torch.Tensor, penalty: float) -> list[int]:
+    """The same optimum, written as the definition: plain loops, one matrix, one penalty.
+
+    ``W(a, b)`` is summed pair by pair; ``F(b) = max(W(0, b), max_{0 < a < b} F(a) +
+    W(a, b) - penalty)``; ties go to the earliest start. Returns the sorted segment starts
+    (excluding 0). O(n^4): for checking :func:`optimal_segmentation` on small cases.
+    """
+    _check_square("m", m)
+    if m.dim() != 2:
+        raise ValueError(f"m: expected one matrix [n, n], got {tuple(m.shape)}")
+    penalty = check_number("penalty", penalty)
+    a_ = m.detach().to(torch.float64).cpu().tolist()
+    n = len(a_)
+
+    def gain(a, b):
+        return sum(a_[i][j] for i in range(a, b) for j in range(i + 1, b))
+
+    best = [0.0] * (n + 1)
+    start = [0] * (n + 1)
+    for b in range(1, n + 1):
+        best[b], start[b] = gain(0, b), 0
+        for a in range(1, b):
+            value = best[a] + gain(a, b) - penalty
+            if value > best[b]:
+                best[b], start[b] = value, a
+    starts, pos = [], n
+    while pos > 0:
+        pos = start[pos]
+        if pos > 0:
+            starts.append(pos)
+    return sorted(starts)
+
+
+def segment(sims: torch.Tensor, penalty, layers=None, heads=None, *,
+            symmetrise: bool = False, detrend: bool = False) -> torch.Tensor:
+    """Predict sentence boundaries of windows from their per-head similarity matrices.
+
+    :func:`combine` (chosen layers and heads, standardised) then
+    :func:`optimal_segmentation` with per-boundary ``penalty``; the free parameters
+    (``penalty``, ``layers``, ``heads``, ``detrend``) are to be fixed on development
+    data, never on the windows scored.
+
+    Parameters
+    ----------
+    sims : Tensor [B, L, H, n, n] of the tokens to segment (content tokens only).
+    penalty : float or 1-D tensor / sequence of penalties.
+    layers, heads, symmetrise, detrend : see :func:`combine`.
+
+    Returns
+    -------
+    BoolTensor [B, n] (or [B, P, n] for several penalties), True where a sentence starts.
+    """
+    return optimal_segmentation(combine(sims, layers, heads, symmetrise=symmetrise,
+                                        detrend=detrend), penalty)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def texttiling_scores(x: torch.Tensor, width: int) -> torch.Tensor:
+    """TextTiling depth scores of every gap from token vectors.
+
+    For the gap before token ``t`` (``1 <= t < n``), the *gap similarity* is the cosine of
+    the mean vectors of the blocks ``[t - width, t)`` and ``[t, t + width)`` (clipped at the
+    window's ends). Its *depth* is ``(left peak - s_t) + (right peak - s_t)``, the peaks
+    being the highest similarity reached by climbing from ``t`` while the similarity
+    does not decrease (Hearst 1997).
+
+    Parameters
+    ----------
+    x : Tensor [..., n, D] of token vectors.
+    width : block size in tokens (>= 1).
+
+    Returns
+    -------
+    Tensor [..., n] float64: depth score per gap (index 0 is 0, no gap there).
+    """
+    check_tensor("x", x, min_ndim=2, floating=True, finite=True, nonempty=True)
+    width = check_int("width", width, minimum=1)
+    n = x.shape[-2]
+    if n < 2:
+        raise ValueError(f"x: expected n >= 2 tokens, got {n}")
+    x = x.to(torch.float64)
+    c = torch.nn.functional.pad(x.cumsum(-2), (0, 0, 1, 0))  # [..., n+1, D]
+    t = torch.arange(1, n, device=x.device)
+    lo = (t - width).clamp(min=0)
+    hi = (t + width).clamp(max=n)
+    left = (c[..., t, :] - c[..., lo, :]) / (t - lo).unsqueeze(-1)
+    right = (c[..., hi, :] - c[..., t, :]) / (hi - t).unsqueeze(-1)
+    s = torch.nn.functional.cosine_similarity(left, right, dim=-1)  # [..., n-1]
+    # climb to the peaks: running maxima while non-decreasing, left and right
+    g = n - 1
+    lpeak = s.clone()
+    rpeak = s.clone()
+    lrun = torch.ones_like(s, dtype=torch.bool)
+    rrun = torch.ones_like(s, dtype=torch.bool)
+    lcur = s.clone()
+    rcur = s.clone()
+    for k in range(1, g):
+        # left neighbour at distance k of gap i is gap i - k
+        nxt = torch.nn.functional.pad(s[..., :-k], (k, 0), value=-math.inf)
+        lrun = lrun & (nxt >= lcur)
+        lcur = torch.where(lrun, nxt, lcur)
+        lpeak = torch.where(lrun, torch.maximum(lpeak, nxt), lpeak)
+        nxt = torch.nn.functional.pad(s[..., k:], (0, k), value=-math.inf)
+        rrun = rrun & (nxt >= rcur)
+        rcur = torch.where(rrun, nxt, rcur)
+        rpeak = torch.where(rrun, torch.maximum(rpeak, nxt), rpeak)
+        if not (lrun.any() or rrun.any()):
+            break
+    depth = (lpeak - s) + (rpeak - s)
+    return torch.nn.functional.pad(depth, (1, 0))
+
+
+def texttiling(x: torch.Tensor, width: int, cutoff: float) -> torch.Tensor:
+    """TextTiling boundaries: gaps whose depth score (:func:`texttiling_scores`) is a
+    local maximum and exceeds ``mean + cutoff * std`` of the window's depth scores
+    (Hearst's liberal rule is ``cutoff = -0.5``).
+
+    Returns BoolTensor [..., n], True where a segment starts.
+    """
+    cutoff = check_number("cutoff", cutoff)
+    depth = texttiling_scores(x, width)[..., 1:]  # [..., n-1]
+    mean = depth.mean(-1, keepdim=True)
+    std = depth.std(-1, unbiased=False, keepdim=True)
+    left = torch.nn.functional.pad(depth[..., :-1], (1, 0), value=-math.inf)
+    right = torch.nn.functional.pad(depth[..., 1:], (0, 1), value=-math.inf)
+    peak = (depth > left) & (depth >= right) & (depth > 0)
+    cut = peak & (depth > mean + cutoff * std)
+    return torch.nn.functional.pad(cut, (1, 0), value=False)
+
+
+def random_boundaries(shape, rate: float, generator: torch.Generator | None = None
+                      ) -> torch.Tensor:
+    """Independent boundaries: every gap (index >= 1) is one with probability ``rate``.
+
+    ``shape`` is ``(..., n)``; returns BoolTensor of that shape (index 0 False).
+    """
+    rate = check_number("rate", rate, minimum=0.0, maximum=1.0)
+    shape = tuple(int(s) for s in shape)
+    if not shape or shape[-1] < 1:
+        raise ValueError(f"shape: expected (..., n) with n >= 1, got {shape}")
+    out = torch.rand(shape, generator=generator, dtype=torch.float64) < rate
+    out[..., 0] = False
+    return out
+
+
+def even_boundaries(shape, spacing: float) -> torch.Tensor:
+    """Evenly spaced boundaries at ``round(k * spacing)`` for k = 1, 2, ... below n.
+
+    ``shape`` is ``(..., n)``; returns BoolTensor of that shape, the same row everywhere.
+    """
+    spacing = check_number("spacing", spacing, minimum=1.0)
+    shape = tuple(int(s) for s in shape)
+    if not shape or shape[-1] < 1:
+        raise ValueError(f"shape: expected (..., n) with n >= 1, got {shape}")
+    n = shape[-1]
+    row = torch.zeros(n, dtype=torch.bool)
+    k = 1
+    while round(k * spacing) < n:
+        row[round(k * spacing)] = True
+        k += 1
+    return row.expand(shape).clone()

@@ -1,0 +1,580 @@
+"""Scoring unsupervised sentence segmentation against gold boundaries.
+
+The protocol the context-similarity chapter runs (:func:`evaluate`):
+
+1. **Documents, split by document.** Brown documents (gold sentences) in a seeded order;
+   at most ``per_document`` windows of each (:func:`document_windows`), alternate
+   documents to the development and the test split (:func:`split_documents`).
+2. **Two conditions.** (a) the plain text; (b) the same documents with sentence
+   punctuation removed before tokenising (:func:`strip_sentence_punctuation`: every
+   stand-alone token made only of ``. ! ? ; :``, the marks that end Brown's sentences),
+   so that a boundary cannot be read off a '.'.
+3. **Features** (:func:`window_features`): per window the standardised per-head
+   similarity matrices of the head outputs and the symmetrised attention maps of the
+   content tokens, and the model's final hidden states.
+4. **Free parameters fixed on the development split** (:func:`tune`): for every method
+   the parameters that maximise the development F1 (±1 token); head subsets are ranked
+   by a development statistic (:func:`head_contrast`). The test windows are featurised
+   only after every parameter is fixed.
+5. **Scores on the test split** (:class:`Scores`): boundary F1 exact and with ±1 token
+   tolerance (:func:`boundary_matches`, one-to-one matching), Pk and WindowDiff from
+   ``nltk.metrics.segmentation`` (:func:`pk_windowdiff`), with percentile intervals from
+   a bootstrap over test documents, paired across methods (:meth:`Scores.summary`,
+   :meth:`Scores.difference`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from companion import segmentation as sg
+from companion._validate import check_int
+from companion.corpora import Corpus, Document, Windows, windows as cut_windows
+
+__all__ = [
+    "Condition",
+    "Scores",
+    "boundary_matches",
+    "document_windows",
+    "evaluate",
+    "f1_score",
+    "gold_boundaries",
+    "head_contrast",
+    "pk_windowdiff",
+    "predict_all",
+    "split_documents",
+    "strip_sentence_punctuation",
+    "tune",
+    "window_features",
+]
+
+SENTENCE_PUNCTUATION = re.compile(r"^[.!?;:]+$")
+
+
+# --------------------------------------------------------------------------- data
+
+
+def strip_sentence_punctuation(corpus: Corpus) -> Corpus:
+    """The corpus with every stand-alone token made only of ``. ! ? ; :`` removed.
+
+    Brown text is tokenised with spaces around punctuation, so this removes the marks
+    that end its sentences (and the same marks inside sentences); abbreviation dots inside
+    words ("Mr.", "U.S.") and commas stay. Sentences left empty are dropped.
+    """
+    if not isinstance(corpus, Corpus):
+        raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
+    docs = []
+    for d in corpus.documents:
+        sents = [" ".join(w for w in s.split() if not SENTENCE_PUNCTUATION.match(w))
+                 for s in d.sentences]
+        docs.append(Document(d.name, [s for s in sents if s]))
+    return Corpus(f"{corpus.name} (no sentence punctuation)", docs, corpus.licence)
+
+
+def document_windows(corpus: Corpus, tokenizer, documents, per_document: int,
+                     length: int = 128) -> Windows:
+    """At most ``per_document`` consecutive windows from the start of each listed document.
+
+    ``documents`` are indices into ``corpus.documents``; the windows' ``document_ids``
+    are those indices. Documents shorter than one window give none.
+    """
+    if not isinstance(corpus, Corpus):
+        raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
+    per_document = check_int("per_document", per_document, minimum=1)
+    documents = [check_int("documents", d, minimum=0, maximum=len(corpus.documents) - 1)
+                 for d in documents]
+    if not documents:
+        raise ValueError("documents: expected at least one document index")
+    parts = []
+    for d in documents:
+        doc = corpus.documents[d]
+        # enough sentences for per_document windows: tokenise no more than needed
+        single = Corpus(corpus.name, [doc], corpus.licence)
+        try:
+            w = cut_windows(single, tokenizer, length, max_windows=per_document)
+        except ValueError:
+            continue  # shorter than one window
+        w.document_ids[w.document_ids >= 0] = d
+        parts.append(w)
+    if not parts:
+        raise ValueError(f"documents: none of the {len(documents)} documents fills a window "
+                         f"of {length} tokens")
+    return Windows.concat(parts)
+
+
+def split_documents(documents, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Development and test documents: a seeded shuffle, then alternate assignment."""
+    documents = list(documents)
+    if len(documents) < 2:
+        raise ValueError(f"documents: expected at least 2 documents to split, got {len(documents)}")
+    order = np.random.default_rng(check_int("seed", seed)).permutation(len(documents))
+    shuffled = [documents[i] for i in order]
+    return sorted(shuffled[0::2]), sorted(shuffled[1::2])
+
+
+def gold_boundaries(sentence_ids: torch.Tensor) -> torch.Tensor:
+    """Gold segment starts of the content tokens: BoolTensor [B, n].
+
+    ``sentence_ids`` [B, T] as in :class:`companion.corpora.Windows` (-1 at ``[CLS]`` and
+    ``[SEP]``, which must be the first and last token). ``t`` is a start when token ``t``'s
+    sentence differs from token ``t - 1``'s (the first content token never is).
+    """
+    if not isinstance(sentence_ids, torch.Tensor) or sentence_ids.dim() != 2:
+        raise ValueError("sentence_ids: expected a 2-D tensor [B, T]")
+    content = sentence_ids[:, 1:-1]
+    if (content < 0).any() or (sentence_ids[:, [0, -1]] >= 0).any():
+        raise ValueError("sentence_ids: expected -1 exactly at the first and last token "
+                         "([CLS] ... [SEP] windows without padding)")
+    out = torch.zeros_like(content, dtype=torch.bool)
+    out[:, 1:] = content[:, 1:] != content[:, :-1]
+    return out
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def boundary_matches(gold, pred, tolerance: int = 0) -> tuple[int, int, int]:
+    """(true positives, false positives, false negatives) of one window's boundaries.
+
+    ``gold`` and ``pred`` are boolean vectors (or index lists); a predicted boundary is a
+    true positive when it is matched one-to-one to a gold boundary at most ``tolerance``
+    tokens away. On a line, the greedy left-to-right matching is a maximum matching.
+    """
+    tolerance = check_int("tolerance", tolerance, minimum=0)
+
+    def positions(x, name):
+        if isinstance(x, torch.Tensor):
+            if x.dtype == torch.bool:
+                return x.nonzero().flatten().tolist()
+            return sorted(int(v) for v in x.flatten().tolist())
+        if isinstance(x, np.ndarray) and x.dtype == bool:
+            return np.flatnonzero(x).tolist()
+        try:
+            return sorted(int(v) for v in x)
+        except TypeError as exc:
+            raise TypeError(f"{name}: expected a boolean vector or a list of positions") from exc
+
+    g, p = positions(gold, "gold"), positions(pred, "pred")
+    i = j = tp = 0
+    while i < len(g) and j < len(p):
+        if abs(g[i] - p[j]) <= tolerance:
+            tp += 1
+            i += 1
+            j += 1
+        elif p[j] < g[i]:
+            j += 1
+        else:
+            i += 1
+    return tp, len(p) - tp, len(g) - tp
+
+
+def f1_score(tp, fp, fn):
+    """``2 tp / (2 tp + fp + fn)`` elementwise (1.0 where nothing is predicted or gold)."""
+    tp, fp, fn = (np.asarray(v, dtype=np.float64) for v in (tp, fp, fn))
+    den = 2 * tp + fp + fn
+    return np.where(den > 0, 2 * tp / np.where(den > 0, den, 1.0), 1.0)
+
+
+def _as_string(row) -> str:
+    """Segment starts 1..n-1 of one window as nltk's '0'/'1' boundary string (one per gap)."""
+    return "".join("1" if v else "0" for v in row[1:])
+
+
+def pk_windowdiff(gold, pred, k: int) -> tuple[float, float]:
+    """Pk and WindowDiff of one window from ``nltk.metrics.segmentation`` (not
+    re-implemented): the gaps between the ``n`` tokens as a '0'/'1' string, window ``k``.
+    """
+    from nltk.metrics.segmentation import pk, windowdiff
+
+    k = check_int("k", k, minimum=1)
+    g, p = _as_string(list(gold)), _as_string(list(pred))
+    if len(g) != len(p):
+        raise ValueError(f"pred: expected {len(g) + 1} tokens like gold, got {len(p) + 1}")
+    if k > len(g):
+        raise ValueError(f"k: expected at most the number of gaps {len(g)}, got {k}")
+    return float(pk(g, p, k)), float(windowdiff(g, p, k))
+
+
+def pk_window(gold: torch.Tensor) -> int:
+    """nltk's default Pk window over a set of windows: half the mean gold segment length,
+    ``round(gaps / (2 * boundaries))`` (at least 1)."""
+    gaps = gold.shape[0] * (gold.shape[1] - 1)
+    return max(1, int(round(gaps / (2.0 * max(int(gold.sum()), 1)))))
+
+
+# --------------------------------------------------------------------------- features
+
+
+@dataclass
+class Features:
+    """Per-window inputs of the segmenters (content tokens only)."""
+
+    heads: torch.Tensor  # [N, L, H, n, n] float32, standardised head-output similarity
+    attention: torch.Tensor  # [N, L, H, n, n] float32, standardised symmetrised attention
+    hidden: torch.Tensor  # [N, n, D] float32, final hidden states
+
+
+def _batches(model, windows: Windows, batch_size: int):
+    from companion import context_similarity as cs
+
+    dev = next(model.parameters()).device
+    for start in range(0, len(windows), batch_size):
+        part = windows[start:start + batch_size]
+        batch = {"input_ids": part.input_ids.to(dev), "attention_mask": part.attention_mask.to(dev)}
+        with torch.no_grad():
+            ho = cs.head_outputs(model, batch)
+            sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
+            att = ho.attentions[..., 1:-1, 1:-1]
+            att = 0.5 * (att + att.transpose(-1, -2))
+            hidden = model(**batch).last_hidden_state[:, 1:-1]
+        yield sg.standardise(sims).float(), sg.standardise(att).float(), hidden.float()
+
+
+def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
+    """Head-output similarity, attention and final hidden states of every window.
+
+    One :func:`companion.context_similarity.head_outputs` pass (outputs and attention
+    maps) and one full forward (final hidden states) per batch, on the model's device;
+    the features stay there.
+    """
+    if not isinstance(windows, Windows):
+        raise TypeError(
+            f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    parts = list(_batches(model, windows, batch_size))
+    return Features(*(torch.cat([p[i] for p in parts]) for i in range(3)))
+
+
+def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -> torch.Tensor:
+    """Per layer and head: mean standardised similarity of same-sentence pairs minus that
+    of different-sentence pairs, both at distance ``1..max_distance`` (so that locality
+    does not count). ``z`` [N, L, H, n, n], ``gold`` [N, n]. Returns [L, H] float64."""
+    max_distance = check_int("max_distance", max_distance, minimum=1)
+    n = gold.shape[-1]
+    sent = gold.long().cumsum(-1)  # [N, n] sentence number within the window
+    same = sent[:, :, None] == sent[:, None, :]
+    idx = torch.arange(n, device=gold.device)
+    dist = (idx[:, None] - idx[None, :]).abs()
+    near = (dist >= 1) & (dist <= max_distance)
+    w_same = (same & near).to(torch.float64)
+    w_diff = (~same & near).to(torch.float64)
+    zz = z.to(torch.float64)
+    s_same = torch.einsum("blhij,bij->lh", zz, w_same) / w_same.sum().clamp(min=1)
+    s_diff = torch.einsum("blhij,bij->lh", zz, w_diff) / w_diff.sum().clamp(min=1)
+    return s_same - s_diff
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+@dataclass
+class Method:
+    """A segmenter with its parameters fixed: :meth:`predict` gives [N, n] bool."""
+
+    name: str
+    family: str  # "head outputs" | "attention" | "TextTiling" | "random" | "even"
+    params: dict
+    layer: int | None = None  # for per-layer rows
+
+    def matrix(self, feats: Features) -> torch.Tensor:
+        """The combined similarity matrices [N, n, n] of a head-output / attention method."""
+        p = self.params
+        src = feats.heads if self.family == "head outputs" else feats.attention
+        return sg.combine(src, p["layers"], p["heads"], detrend=p["detrend"], standardised=True)
+
+    def predict(self, feats: Features, generator: torch.Generator | None = None) -> torch.Tensor:
+        p = self.params
+        if self.family in ("head outputs", "attention"):
+            return sg.optimal_segmentation(self.matrix(feats), p["penalty"]).cpu()
+        if self.family == "TextTiling":
+            return sg.texttiling(feats.hidden, p["width"], p["cutoff"]).cpu()
+        shape = tuple(feats.hidden.shape[:2])
+        if self.family == "random":
+            return sg.random_boundaries(shape, p["rate"], generator)
+        if self.family == "even":
+            return sg.even_boundaries(shape, p["spacing"])
+        raise ValueError(f"family: unknown {self.family!r}")
+
+
+DP_FAMILIES = ("head outputs", "attention")
+
+
+def _dp_chunks(items: list, n_windows: int, budget: int = 1024):
+    """Consecutive chunks of ``items`` with at most ``budget`` matrices (items x windows)."""
+    size = max(1, budget // max(n_windows, 1))
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def predict_all(methods: list, feats: Features, generator: torch.Generator | None = None
+                ) -> dict:
+    """``{name: [N, n] bool}`` for every method; the dynamic-programming methods run
+    stacked (one batched call per chunk, with every distinct penalty), which gives the
+    same boundaries as :meth:`Method.predict` one by one (checked in the tests)."""
+    out = {}
+    dp = [m for m in methods if m.family in DP_FAMILIES]
+    if dp:
+        pens = sorted({m.params["penalty"] for m in dp})
+        pen = torch.tensor(pens, dtype=torch.float64)
+        for chunk in _dp_chunks(dp, feats.heads.shape[0]):
+            stacked = torch.stack([m.matrix(feats) for m in chunk])  # [C, N, n, n]
+            pred = sg.optimal_segmentation(stacked, pen).cpu()  # [C, N, P, n]
+            for c, m in enumerate(chunk):
+                out[m.name] = pred[c, :, pens.index(m.params["penalty"])]
+    for m in methods:
+        if m.family not in DP_FAMILIES:
+            out[m.name] = m.predict(feats, generator)
+    return {m.name: out[m.name] for m in methods}
+
+
+def _f1_pm1(gold: torch.Tensor, pred: torch.Tensor) -> float:
+    """Micro F1 with ±1 tolerance over a set of windows ([N, n] bool each)."""
+    tp = fp = fn = 0
+    for g, p in zip(gold, pred):
+        a, b, c = boundary_matches(g, p, 1)
+        tp, fp, fn = tp + a, fp + b, fn + c
+    return float(f1_score(tp, fp, fn))
+
+
+def _f1_pm1_batched(gold: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """The micro F1 (±1) of :func:`_f1_pm1` for a stack of predictions [..., N, n] at once.
+
+    The one-to-one matching within ±1 is the greedy of :func:`boundary_matches`: gold
+    boundaries left to right, each taking the leftmost still unmatched prediction among
+    t - 1, t, t + 1; vectorised over the stack.
+    """
+    free = pred.clone()
+    n = gold.shape[-1]
+    tp = torch.zeros(pred.shape[:-1], dtype=torch.float64)  # [..., N]
+    for t in torch.nonzero(gold.any(0)).flatten().tolist():
+        g = gold[:, t]  # [N]
+        taken = torch.zeros_like(free[..., t])
+        for u in (t - 1, t, t + 1):
+            if 0 <= u < n:
+                hit = g & free[..., u] & ~taken
+                free[..., u] &= ~hit
+                taken |= hit
+        tp += taken.to(torch.float64)
+    tp = tp.sum(-1)
+    fp = pred.sum((-1, -2)).to(torch.float64) - tp
+    fn = float(gold.sum()) - tp
+    den = 2 * tp + fp + fn
+    return torch.where(den > 0, 2 * tp / den.clamp(min=1), torch.ones_like(den))
+
+
+def _layer_sets(n_layers: int, final: list[int]) -> list[tuple[int, ...]]:
+    sets = [(ly,) for ly in range(n_layers)]
+    for extra in (tuple(final), tuple(range(n_layers))):
+        if extra not in sets:
+            sets.append(extra)
+    return sets
+
+
+def tune(feats: Features, gold: torch.Tensor, *, final_layers, penalties,
+         head_fractions=(0.25, 1.0), widths=(4, 8, 16), cutoffs=(-1.0, -0.5, 0.0, 0.5, 1.0)
+         ) -> list[Method]:
+    """Fix every method's free parameters on development windows (max F1 ±1).
+
+    - head outputs / attention: for each layer alone (all heads; rows "layer l"), and over
+      the best of all layer sets (each layer, ``final_layers``, all layers), head subsets
+      (the top ``fraction`` of each layer's heads by :func:`head_contrast` on these
+      windows), detrending on/off and ``penalties`` (row "tuned");
+    - TextTiling on final hidden states: ``widths`` x ``cutoffs``;
+    - random boundaries at the development rate of gold boundaries per gap, and evenly
+      spaced boundaries at its inverse (nothing to tune).
+    Ties go to the first candidate in this order (smaller penalty, fewer heads, no
+    detrending).
+
+    Returns the list of :class:`Method` with fixed parameters.
+    """
+    n_layers, n_heads = feats.heads.shape[1], feats.heads.shape[2]
+    pen = torch.as_tensor(list(penalties), dtype=torch.float64)
+    if pen.dim() != 1 or pen.numel() == 0:
+        raise ValueError(f"penalties: expected a non-empty sequence, got {penalties!r}")
+    gold = gold.cpu()
+    methods: list[Method] = []
+    for family, src in (("head outputs", feats.heads), ("attention", feats.attention)):
+        contrast = head_contrast(src, gold.to(src.device))
+        order = contrast.argsort(dim=-1, descending=True).cpu()
+        candidates = []  # (params, matrix)
+        for frac in head_fractions:
+            k = max(1, int(round(frac * n_heads)))
+            top = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
+            # the same sums combine() forms, computed once per layer
+            sums = {ly: sg._head_sum(src, ly, top[ly]) for ly in range(n_layers)}
+            for layers in _layer_sets(n_layers, list(final_layers)):
+                for detrend in (False, True):
+                    m = sg._combine_sums([sums[ly] for ly in layers], k * len(layers), detrend)
+                    params = dict(layers=list(layers), heads={ly: top[ly] for ly in layers},
+                                  detrend=detrend, head_fraction=frac, all_heads=(k == n_heads))
+                    candidates.append((params, m))
+        scored = []
+        for chunk in _dp_chunks(candidates, gold.shape[0]):
+            stacked = torch.stack([m for _, m in chunk])  # [C, N, n, n]
+            pred = sg.optimal_segmentation(stacked, pen).cpu()  # [C, N, P, n]
+            f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
+            for c, (params, _) in enumerate(chunk):
+                i = int(f1[c].argmax())
+                scored.append((float(f1[c, i]), {**params, "penalty": float(pen[i]),
+                                                 "dev_f1": float(f1[c, i])}))
+        del candidates
+        best = max(scored, key=lambda x: x[0])  # first maximum
+        methods.append(Method(f"{family}, tuned", family, best[1]))
+        for ly in range(n_layers):
+            mine = [c for c in scored if c[1]["layers"] == [ly] and c[1]["all_heads"]]
+            methods.append(Method(f"{family}, layer {ly + 1}", family,
+                                  max(mine, key=lambda x: x[0])[1], layer=ly))
+    best_tt = None
+    for w in widths:
+        if w >= gold.shape[-1]:
+            continue
+        for c in cutoffs:
+            f1 = _f1_pm1(gold, sg.texttiling(feats.hidden, w, c).cpu())
+            if best_tt is None or f1 > best_tt[0]:
+                best_tt = (f1, dict(width=w, cutoff=c, dev_f1=f1))
+    methods.append(Method("TextTiling, final hidden states", "TextTiling", best_tt[1]))
+    rate = float(gold[:, 1:].float().mean())
+    methods.append(Method("random at the gold rate", "random", dict(rate=rate)))
+    methods.append(Method("evenly spaced", "even", dict(spacing=max(1.0, 1.0 / max(rate, 1e-9)))))
+    return methods
+
+
+# --------------------------------------------------------------------------- scores
+
+
+@dataclass
+class Scores:
+    """Per-window scores of several methods on one set of test windows.
+
+    ``stats[name]`` is a float64 array [N, 8]: tp, fp, fn (exact), tp, fp, fn (±1), Pk,
+    WindowDiff; ``documents`` [N] the document of each window.
+    """
+
+    stats: dict
+    documents: np.ndarray
+    k: int
+    METRICS = ("F1", "F1 ±1", "Pk", "WindowDiff")
+
+    @classmethod
+    def compute(cls, gold: torch.Tensor, predictions: dict, documents, k: int) -> Scores:
+        gold = gold.cpu()
+        stats = {}
+        for name, pred in predictions.items():
+            pred = pred.cpu()
+            if tuple(pred.shape) != tuple(gold.shape):
+                raise ValueError(f"predictions[{name!r}]: expected shape {tuple(gold.shape)}, "
+                                 f"got {tuple(pred.shape)}")
+            rows = []
+            for g, p in zip(gold, pred):
+                rows.append([*boundary_matches(g, p, 0), *boundary_matches(g, p, 1),
+                             *pk_windowdiff(g.tolist(), p.tolist(), k)])
+            stats[name] = np.asarray(rows, dtype=np.float64)
+        return cls(stats, np.asarray(documents), k)
+
+    def _doc_sums(self, name: str) -> np.ndarray:
+        docs, inv = np.unique(self.documents, return_inverse=True)
+        out = np.zeros((len(docs), 9))
+        np.add.at(out[:, :8], inv, self.stats[name])
+        np.add.at(out[:, 8], inv, 1.0)
+        return out
+
+    @staticmethod
+    def _metrics(sums: np.ndarray) -> np.ndarray:
+        """[..., 9] sums -> [..., 4] (F1, F1 ±1, Pk, WindowDiff)."""
+        f1 = f1_score(sums[..., 0], sums[..., 1], sums[..., 2])
+        f1t = f1_score(sums[..., 3], sums[..., 4], sums[..., 5])
+        return np.stack([f1, f1t, sums[..., 6] / sums[..., 8], sums[..., 7] / sums[..., 8]], -1)
+
+    def _resamples(self, n_boot: int, seed: int) -> np.ndarray:
+        n_docs = len(np.unique(self.documents))
+        rng = np.random.default_rng(seed)
+        idx = rng.integers(0, n_docs, size=(n_boot, n_docs))
+        return np.stack([np.bincount(r, minlength=n_docs) for r in idx]).astype(np.float64)
+
+    def point(self, name: str) -> np.ndarray:
+        return self._metrics(self._doc_sums(name).sum(0))
+
+    def boot(self, name: str, n_boot: int = 1000, seed: int = 0) -> np.ndarray:
+        """[n_boot, 4] metrics over bootstrap resamples of the documents (the same
+        resamples for every method with the same ``seed``: paired)."""
+        w = self._resamples(n_boot, seed)  # [B, docs] multiplicities
+        return self._metrics(w @ self._doc_sums(name))
+
+    def summary(self, n_boot: int = 1000, seed: int = 0, level: float = 0.95):
+        """pandas DataFrame: one row per method, each metric with its percentile interval."""
+        import pandas as pd
+
+        q = ((1 - level) / 2, (1 + level) / 2)
+        rows = []
+        for name in self.stats:
+            pt, bs = self.point(name), self.boot(name, n_boot, seed)
+            lo, hi = np.quantile(bs, q, axis=0)
+            row = {"method": name}
+            for j, m in enumerate(self.METRICS):
+                row[m] = pt[j]
+                row[f"{m} lo"] = lo[j]
+                row[f"{m} hi"] = hi[j]
+            s = self.stats[name]
+            row["predicted / gold"] = (s[:, 0] + s[:, 1]).sum() / max((s[:, 0] + s[:, 2]).sum(), 1)
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def difference(self, a: str, b: str, metric: str, n_boot: int = 1000, seed: int = 0,
+                   level: float = 0.95) -> tuple[float, float, float]:
+        """(point, lo, hi) of ``metric(a) - metric(b)``, paired bootstrap over documents."""
+        if metric not in self.METRICS:
+            raise ValueError(f"metric: expected one of {self.METRICS}, got {metric!r}")
+        for name, arg in ((a, "a"), (b, "b")):
+            if name not in self.stats:
+                raise ValueError(
+                    f"{arg}: unknown method {name!r}; expected one of {list(self.stats)}")
+        j = self.METRICS.index(metric)
+        d = self.boot(a, n_boot, seed)[:, j] - self.boot(b, n_boot, seed)[:, j]
+        lo, hi = np.quantile(d, ((1 - level) / 2, (1 + level) / 2))
+        return float(self.point(a)[j] - self.point(b)[j]), float(lo), float(hi)
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+@dataclass
+class Condition:
+    """One condition's run: its windows, fixed methods, test predictions and scores."""
+
+    name: str
+    dev: Windows
+    test: Windows
+    methods: list
+    predictions: dict
+    scores: Scores
+    test_features: Features | None = field(default=None, repr=False)
+
+
+def evaluate(model, tokenizer, corpus: Corpus, *, documents, per_document: int,
+             final_layers, penalties, seed: int = 0, batch_size: int = 16,
+             strip_punctuation: bool = False, name: str = "", keep_test_features: bool = False,
+             **tune_kwargs) -> Condition:
+    """The whole protocol for one condition (see the module docstring).
+
+    Development windows are featurised and every method's parameters fixed
+    (:func:`tune`) before the test windows are featurised and scored.
+    """
+    text = strip_sentence_punctuation(corpus) if strip_punctuation else corpus
+    dev_docs, test_docs = split_documents(documents, seed)
+    dev = document_windows(text, tokenizer, dev_docs, per_document)
+    test = document_windows(text, tokenizer, test_docs, per_document)
+    gold_dev = gold_boundaries(dev.sentence_ids)
+    feats = window_features(model, dev, batch_size)
+    methods = tune(feats, gold_dev, final_layers=final_layers, penalties=penalties, **tune_kwargs)
+    del feats
+    k = pk_window(gold_dev)
+    feats = window_features(model, test, batch_size)
+    gen = torch.Generator().manual_seed(seed)
+    preds = predict_all(methods, feats, gen)
+    gold = gold_boundaries(test.sentence_ids)
+    scores = Scores.compute(gold, preds, test.document_ids[:, 1].tolist(), k)
+    return Condition(name, dev, test, methods, preds, scores,
+                     feats if keep_test_features else None)

@@ -1,0 +1,391 @@
+"""Tests of companion.segmentation and companion.segmentation_eval against independent
+references, without model forward passes.
+
+- the fast dynamic programme against a brute force over all 2^(n-1) segmentations and
+  against the plain-loop reference, batched over matrices and penalties;
+- standardising, detrending and combining heads against direct computations;
+- TextTiling depth scores against a plain climbing loop, and a hand-made two-topic case;
+- boundary matching against a brute-force maximum matching; the batched F1 used for
+  tuning against the per-window one; Pk / WindowDiff on hand-computed cases (nltk);
+- the protocol pieces: gold boundaries, punctuation stripping, the document split,
+  bootstrap scores, stacked predictions == one by one, and tuning that finds a planted
+  layer.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from companion import segmentation as sg
+from companion import segmentation_eval as se
+from companion.corpora import Corpus, Document
+
+
+def sym(n, seed, batch=()):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(*batch, n, n, generator=g, dtype=torch.float64)
+    m = a + a.transpose(-1, -2)
+    m.diagonal(dim1=-2, dim2=-1).zero_()
+    return m
+
+
+def brute_force(m, penalty):
+    """Best segmentation by enumerating every set of segment starts."""
+    n = m.shape[0]
+    best = None
+    for k in range(n):
+        for starts in itertools.combinations(range(1, n), k):
+            cuts = [0, *starts, n]
+            value = sum(float(m[i, j]) for a, b in zip(cuts, cuts[1:])
+                        for i in range(a, b) for j in range(i + 1, b)) - penalty * k
+            if best is None or value > best[0] + 1e-12:
+                best = (value, list(starts))
+    return best[1]
+
+
+# --------------------------------------------------------------------------- the DP
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 8])
+def test_dp_equals_brute_force_and_reference(n):
+    for seed in range(4):
+        m = sym(n, seed)
+        for penalty in (0.0, 0.7, 3.0, 50.0):
+            fast = sg.optimal_segmentation(m, penalty).nonzero().flatten().tolist()
+            assert fast == brute_force(m, penalty)
+            assert fast == sg.optimal_segmentation_reference(m, penalty)
+
+
+def test_dp_batched_over_matrices_and_penalties_equals_reference():
+    m = sym(24, 7, batch=(2, 3))
+    pens = [0.5, 4.0, 16.0]
+    out = sg.optimal_segmentation(m, pens)
+    assert out.shape == (2, 3, 3, 24) and out.dtype == torch.bool
+    assert not out[..., 0].any()
+    for i, j, p in itertools.product(range(2), range(3), range(3)):
+        got = out[i, j, p].nonzero().flatten().tolist()
+        assert got == sg.optimal_segmentation_reference(m[i, j], pens[p])
+    # a 1-D tensor of penalties gives the same; a scalar drops the penalty dimension
+    assert torch.equal(sg.optimal_segmentation(m, torch.tensor(pens)), out)
+    assert torch.equal(sg.optimal_segmentation(m, 4.0), out[:, :, 1])
+
+
+def test_dp_hand_case_two_blocks():
+    # tokens 0-3 and 4-9 similar within (+1), dissimilar across (-1)
+    lab = torch.tensor([0] * 4 + [1] * 6)
+    m = torch.where(lab[:, None] == lab[None, :], 1.0, -1.0).double()
+    m.fill_diagonal_(0)
+    assert sg.optimal_segmentation(m, 1.0).nonzero().flatten().tolist() == [4]
+    # splitting at 4 removes the 4 * 6 = 24 cross pairs of -1 (each pair i < j counted
+    # once): worth it while the penalty is below 24
+    assert sg.optimal_segmentation(m, 23.0).nonzero().flatten().tolist() == [4]
+    assert sg.optimal_segmentation(m, 25.0).nonzero().flatten().tolist() == []
+
+
+def test_segment_gains_are_within_segment_sums():
+    m = sym(7, 3)
+    w = sg.segment_gains(m)
+    for a in range(8):
+        for b in range(a, 8):
+            direct = sum(float(m[i, j]) for i in range(a, b) for j in range(i + 1, b))
+            assert abs(float(w[a, b]) - direct) < 1e-9
+
+
+def test_dp_bad_input():
+    with pytest.raises(ValueError, match="m: expected square"):
+        sg.optimal_segmentation(torch.zeros(3, 4), 1.0)
+    with pytest.raises(ValueError, match="m: "):
+        sg.optimal_segmentation(torch.full((3, 3), float("nan")), 1.0)
+    with pytest.raises(TypeError, match="penalty"):
+        sg.optimal_segmentation(sym(3, 0), "big")
+    with pytest.raises(ValueError, match="penalty"):
+        sg.optimal_segmentation(sym(3, 0), [])
+    with pytest.raises(TypeError, match="m: "):
+        sg.optimal_segmentation(torch.zeros(3, 3, dtype=torch.long), 1.0)
+
+
+# --------------------------------------------------------------------------- matrices
+
+
+def test_standardise_and_detrend():
+    m = torch.randn(2, 6, 6, dtype=torch.float64) * 3 + 5
+    z = sg.standardise(m)
+    off = ~torch.eye(6, dtype=torch.bool)
+    for b in range(2):
+        vals = z[b][off]
+        assert abs(float(vals.mean())) < 1e-12
+        assert abs(float(vals.std(unbiased=False)) - 1) < 1e-12
+        ref = (m[b][off] - m[b][off].mean()) / m[b][off].std(unbiased=False)
+        assert torch.allclose(vals, ref)
+        assert float(z[b].diagonal().abs().max()) == 0
+    assert torch.equal(sg.standardise(torch.ones(4, 4)), torch.zeros(4, 4))
+    # a matrix that depends on |i - j| only detrends to zero; detrending removes exactly that
+    i = torch.arange(8.0, dtype=torch.float64)
+    toeplitz = torch.exp(-(i[:, None] - i[None, :]).abs())
+    assert float(sg.detrend(toeplitz).abs().max()) < 1e-12
+    x = torch.randn(8, 8, dtype=torch.float64)
+    d = sg.detrend(toeplitz + x)
+    assert torch.allclose(d, sg.detrend(x))
+    for k in range(1, 8):
+        assert abs(float(torch.diagonal(d, k).sum() + torch.diagonal(d, -k).sum())) < 1e-9
+
+
+def test_combine_equals_direct_average():
+    g = torch.Generator().manual_seed(0)
+    sims = torch.randn(2, 3, 4, 5, 5, generator=g)
+    layers, heads = [0, 2], {0: [1, 3], 2: [0]}
+    z = [sg.standardise(sims[:, ly, h].double()) for ly in layers for h in heads[ly]]
+    ref = sg.standardise(sum(z) / len(z))
+    got = sg.combine(sims, layers, heads)
+    assert torch.allclose(got, ref)
+    # pre-standardised input gives the same; symmetrising = combining (S + S^T) / 2
+    pre = sg.standardise(sims)
+    assert torch.allclose(sg.combine(pre, layers, heads, standardised=True), got)
+    assert torch.allclose(sg.combine(sims, symmetrise=True),
+                          sg.combine(0.5 * (sims + sims.transpose(-1, -2))))
+    assert torch.allclose(sg.combine(sims, [1], detrend=True),
+                          sg.standardise(sg.detrend(sg.combine(sims, [1]))))
+    assert torch.allclose(sg.segment(sims, 2.0, layers, heads).double(),
+                          sg.optimal_segmentation(got, 2.0).double())
+
+
+def test_combine_bad_input():
+    sims = torch.randn(1, 2, 3, 4, 4)
+    with pytest.raises(ValueError, match="layers"):
+        sg.combine(sims, [2])
+    with pytest.raises(TypeError, match="layers"):
+        sg.combine(sims, 1)
+    with pytest.raises(ValueError, match="heads"):
+        sg.combine(sims, [0], [])
+    with pytest.raises(ValueError, match="heads: no head list"):
+        sg.combine(sims, [0, 1], {0: [0]})
+    with pytest.raises(ValueError, match="sims"):
+        sg.combine(sims[0])
+    with pytest.raises(TypeError, match="detrend"):
+        sg.combine(sims, detrend=1)
+
+
+# --------------------------------------------------------------------------- TextTiling
+
+
+def depth_reference(s):
+    """Hearst's depth scores by walking left and right from each gap."""
+    out = []
+    for i, v in enumerate(s):
+        lp = v
+        j = i - 1
+        cur = v
+        while j >= 0 and s[j] >= cur:
+            cur = s[j]
+            lp = max(lp, cur)
+            j -= 1
+        rp = v
+        j, cur = i + 1, v
+        while j < len(s) and s[j] >= cur:
+            cur = s[j]
+            rp = max(rp, cur)
+            j += 1
+        out.append((lp - v) + (rp - v))
+    return out
+
+
+def test_texttiling_scores_against_plain_loops():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 30, 5, generator=g, dtype=torch.float64)
+    width = 4
+    depth = sg.texttiling_scores(x, width)
+    assert depth.shape == (3, 30) and float(depth[:, 0].abs().max()) == 0
+    for b in range(3):
+        s = []
+        for t in range(1, 30):
+            left = x[b, max(0, t - width):t].mean(0)
+            right = x[b, t:min(30, t + width)].mean(0)
+            s.append(float(torch.dot(left, right) / (left.norm() * right.norm())))
+        assert np.allclose(depth[b, 1:].numpy(), depth_reference(s), atol=1e-9)
+
+
+def test_texttiling_two_topics():
+    # tokens 0-9 point one way, 10-19 another: the only boundary is at 10
+    x = torch.zeros(20, 3, dtype=torch.float64)
+    x[:10, 0] = 1
+    x[10:, 1] = 1
+    x += 0.01 * torch.randn(20, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = sg.texttiling(x, 3, 0.0)
+    assert out.nonzero().flatten().tolist() == [10]
+
+
+def test_random_and_even_baselines():
+    g = torch.Generator().manual_seed(0)
+    r = sg.random_boundaries((400, 50), 0.1, g)
+    assert not r[:, 0].any()
+    assert abs(float(r[:, 1:].float().mean()) - 0.1) < 0.01
+    e = sg.even_boundaries((2, 10), 3.0)
+    assert e[0].nonzero().flatten().tolist() == [3, 6, 9] and torch.equal(e[0], e[1])
+    assert sg.even_boundaries((7,), 2.5).nonzero().flatten().tolist() == [2, 5]
+    with pytest.raises(ValueError, match="rate"):
+        sg.random_boundaries((2, 5), 1.5)
+    with pytest.raises(ValueError, match="spacing"):
+        sg.even_boundaries((5,), 0.5)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def max_matching(g, p, tol):
+    """Brute-force maximum one-to-one matching within tol."""
+    best = 0
+    for k in range(min(len(g), len(p)), 0, -1):
+        for gs in itertools.combinations(g, k):
+            for ps in itertools.permutations(p, k):
+                if all(abs(a - b) <= tol for a, b in zip(gs, ps)):
+                    return k
+    return best
+
+
+def test_boundary_matches_hand_cases_and_brute_force():
+    assert se.boundary_matches([3, 10], [4, 9, 20], 1) == (2, 1, 0)
+    assert se.boundary_matches([3, 10], [4, 9, 20], 0) == (0, 3, 2)
+    assert se.boundary_matches([5], [4, 6], 1) == (1, 1, 0)  # one-to-one
+    assert se.boundary_matches([4, 6], [5], 1) == (1, 0, 1)
+    assert se.boundary_matches([], [], 1) == (0, 0, 0)
+    b = torch.zeros(8, dtype=torch.bool)
+    b[[2, 5]] = True
+    assert se.boundary_matches(b, b, 0) == (2, 0, 0)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        g = sorted(rng.choice(15, size=rng.integers(0, 5), replace=False).tolist())
+        p = sorted(rng.choice(15, size=rng.integers(0, 5), replace=False).tolist())
+        for tol in (0, 1, 2):
+            tp, fp, fn = se.boundary_matches(g, p, tol)
+            assert tp == max_matching(g, p, tol)
+            assert tp + fp == len(p) and tp + fn == len(g)
+
+
+def test_f1_score_hand_values():
+    assert se.f1_score(2, 1, 1) == pytest.approx(4 / 6)
+    assert se.f1_score(0, 0, 0) == 1.0
+    assert se.f1_score(0, 3, 0) == 0.0
+
+
+def test_batched_tuning_f1_equals_per_window_f1():
+    g = torch.Generator().manual_seed(3)
+    gold = torch.rand(6, 30, generator=g) < 0.15
+    gold[:, 0] = False
+    pred = torch.rand(4, 6, 30, generator=g) < 0.15
+    pred[..., 0] = False
+    batched = se._f1_pm1_batched(gold, pred)
+    for c in range(4):
+        assert float(batched[c]) == pytest.approx(se._f1_pm1(gold, pred[c]))
+
+
+def test_pk_windowdiff_hand_case():
+    # 9 tokens, 8 gaps; gold starts at 4, prediction at 6; k = 2: 7 probe windows over the
+    # gap string, the gold boundary (gap index 3) is seen by windows 2, 3 and the predicted
+    # one (gap index 5) by windows 4, 5: 4 of 7 disagree, for Pk and WindowDiff alike
+    gold = [False] * 9
+    pred = [False] * 9
+    gold[4] = True
+    pred[6] = True
+    pk, wd = se.pk_windowdiff(gold, pred, 2)
+    assert pk == pytest.approx(4 / 7) and wd == pytest.approx(4 / 7)
+    assert se.pk_windowdiff(gold, gold, 2) == (0.0, 0.0)
+    # two predicted boundaries where gold has one: Pk misses it, WindowDiff does not
+    pred2 = [False] * 9
+    pred2[4] = pred2[5] = True
+    pk2, wd2 = se.pk_windowdiff(gold, pred2, 3)
+    assert pk2 == pytest.approx(1 / 6) and wd2 == pytest.approx(3 / 6)
+    with pytest.raises(ValueError, match="k"):
+        se.pk_windowdiff(gold, gold, 9)
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def test_gold_boundaries_from_sentence_ids():
+    sid = torch.tensor([[-1, 0, 0, 1, 1, 1, 2, -1]])
+    assert se.gold_boundaries(sid).nonzero()[:, 1].tolist() == [2, 5]
+    with pytest.raises(ValueError, match="sentence_ids"):
+        se.gold_boundaries(torch.tensor([[0, 0, 1, -1]]))
+
+
+def test_strip_sentence_punctuation():
+    c = Corpus("x", [Document("d", ["Mr. Smith said so .", "Why ?", ". ;", "Yes , sir !"])])
+    out = se.strip_sentence_punctuation(c)
+    assert out.documents[0].sentences == ["Mr. Smith said so", "Why", "Yes , sir"]
+    assert c.documents[0].sentences[0] == "Mr. Smith said so ."  # input untouched
+
+
+def test_split_documents():
+    dev, test = se.split_documents(range(11), seed=3)
+    assert sorted(dev + test) == list(range(11)) and not set(dev) & set(test)
+    assert abs(len(dev) - len(test)) <= 1
+    assert (dev, test) == se.split_documents(range(11), seed=3)
+    with pytest.raises(ValueError, match="documents"):
+        se.split_documents([4])
+
+
+def test_scores_point_bootstrap_and_paired_difference():
+    gold = torch.zeros(4, 10, dtype=torch.bool)
+    gold[:, 5] = True
+    perfect = gold.clone()
+    shifted = torch.roll(gold, 1, dims=1)
+    none = torch.zeros_like(gold)
+    s = se.Scores.compute(gold, {"perfect": perfect, "shifted": shifted, "none": none},
+                          [0, 0, 1, 2], k=2)
+    assert s.point("perfect").tolist() == [1.0, 1.0, 0.0, 0.0]
+    f1, f1t, pk, wd = s.point("shifted")
+    assert (f1, f1t) == (0.0, 1.0) and pk > 0
+    assert s.point("none")[1] == 0.0
+    table = s.summary(n_boot=200)
+    row = table.set_index("method").loc["shifted"]
+    assert row["Pk lo"] <= row["Pk"] <= row["Pk hi"]
+    assert s.difference("perfect", "perfect", "F1") == (0.0, 0.0, 0.0)
+    point, lo, hi = s.difference("perfect", "none", "F1 ±1")
+    assert point == lo == hi == 1.0
+    with pytest.raises(ValueError, match="metric"):
+        s.difference("perfect", "none", "accuracy")
+    with pytest.raises(ValueError, match="predictions"):
+        se.Scores.compute(gold, {"bad": gold[:, :5]}, [0, 0, 1, 2], k=2)
+
+
+def planted_features(n_windows=6, n=40, seed=0, layer=2):
+    """Random per-head matrices, except layer ``layer`` whose heads see the sentences."""
+    g = torch.Generator().manual_seed(seed)
+    gold = torch.zeros(n_windows, n, dtype=torch.bool)
+    for w in range(n_windows):
+        starts = torch.randperm(n - 2, generator=g)[:3] + 2
+        gold[w, starts] = True
+    sent = gold.long().cumsum(-1)
+    same = (sent[:, :, None] == sent[:, None, :]).float()
+    heads = torch.randn(n_windows, 3, 4, n, n, generator=g)
+    heads = heads + heads.transpose(-1, -2)
+    heads[:, layer] += 6 * same[:, None]
+    att = torch.randn(n_windows, 3, 4, n, n, generator=g)
+    att = att + att.transpose(-1, -2)
+    feats = se.Features(sg.standardise(heads), sg.standardise(att),
+                        torch.randn(n_windows, n, 8, generator=g))
+    return feats, gold
+
+
+def test_tune_finds_the_planted_layer_and_stacked_predictions_match():
+    feats, gold = planted_features()
+    methods = se.tune(feats, gold, final_layers=[1, 2], penalties=[1.0, 4.0, 16.0],
+                      widths=(4,), cutoffs=(0.0,))
+    by = {m.name: m for m in methods}
+    assert 2 in by["head outputs, tuned"].params["layers"]
+    assert by["head outputs, tuned"].params["dev_f1"] == 1.0
+    assert by["head outputs, layer 3"].params["dev_f1"] == 1.0
+    assert by["head outputs, layer 1"].params["dev_f1"] < 1.0
+    names = [m.name for m in methods]
+    assert len(set(names)) == len(names)
+    baselines = {"random at the gold rate", "evenly spaced", "TextTiling, final hidden states"}
+    assert baselines <= set(names)
+    # stacked prediction == one by one (new windows: nothing was tuned on them)
+    test_feats, _ = planted_features(seed=1)
+    stacked = se.predict_all(methods, test_feats, torch.Generator().manual_seed(0))
+    for m in methods:
+        if m.family in se.DP_FAMILIES or m.family in ("TextTiling", "even"):
+            assert torch.equal(stacked[m.name], m.predict(test_feats)), m.name
