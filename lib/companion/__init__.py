@@ -7,6 +7,8 @@ Plain functions on torch tensors, CPU and GPU alike. One module per idea:
 - ``gradient_flow``: multi-head Wasserstein gradient flow on the sphere (chapter 3)
 - ``sbm``, ``lra``: SBM-Transformer and offline long-range tasks (chapter 4)
 - ``provenance``: figures, tables and claims saved with their provenance
+- ``prose``: the words of a chapter's summary sentences, computed from its numbers
+- ``_validate``: the shared argument checks and their messages
 - ``runner``, ``cli``: execute chapters with papermill and build the book
 """
 __version__ = "0.1.0"
