@@ -278,3 +278,16 @@ def test_claim_measured_one_element_tensor_and_bad_tensors(chapter):
         prov.claim("demo-m", torch.empty(1, device="meta"), paper=0.5, tolerance=0.1,
                    kind="abs", reference="this chapter", statement="No value.")
     assert not (chapter.output_dir / "claims" / "demo-m.json").exists()
+
+
+def test_claim_evidence_names_this_chapters_items(chapter):
+    rec = prov.claim("demo-with-evidence", 0.3, paper=0.2, kind="at_least",
+                     reference="Fig. 2", statement="s", evidence="demo-random-walk")
+    assert rec["evidence"] == ["demo-random-walk"]
+    with pytest.raises(ValueError, match="evidence: expected ids of this chapter"):
+        prov.claim("demo-bad-evidence", 0.3, paper=0.2, kind="at_least", reference="Fig. 2",
+                   statement="s", evidence=["hasse-figure"])
+    with pytest.raises(TypeError, match="evidence"):
+        prov.claim("demo-bad-evidence", 0.3, paper=0.2, kind="at_least", reference="Fig. 2",
+                   statement="s", evidence=3)
+    assert not (chapter.output_dir / "claims" / "demo-bad-evidence.json").exists()

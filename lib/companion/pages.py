@@ -209,8 +209,9 @@ def reproduction_report(project) -> str:
             measured = _cell(c.get("measured"))
             if c.get("interval") is not None:
                 measured += f" {_cell(tuple(c['interval']))}"
+            evidence = " ".join(f"{{numref}}`{e}`" for e in c.get("evidence") or [])
             details.append(
-                f"| {{ref}}`{c['id']} <{c['id']}>` | {claim_role(c)} | "
+                f"| {{ref}}`{c['id']} <{c['id']}>` {evidence} | {claim_role(c)} | "
                 f"{_cell(c.get('statement', ''))} | "
                 f"{_cell(c.get('paper') if c.get('paper') is not None else 'not available')}"
                 f" ({_cell(c.get('reference', ''))}) | {measured} | {tol} | "

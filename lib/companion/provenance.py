@@ -612,9 +612,23 @@ def describe_value(value: Any) -> str:
     return str(value)
 
 
+def _check_evidence(evidence: Any, chapter: "Chapter") -> list[str]:
+    """``evidence`` as a list of figure/table ids of ``chapter`` (prefix checked)."""
+    if evidence is None:
+        return []
+    ids = [evidence] if isinstance(evidence, str) else evidence
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+        raise TypeError(f"evidence: expected a figure/table id or a list of ids, got {evidence!r}")
+    for i in ids:
+        if not (_ID_RE.match(i) and i.startswith(chapter.prefix + "-")):
+            raise ValueError(f"evidence: expected ids of this chapter's figures or tables "
+                             f"(prefix {chapter.prefix!r}), got {i!r}")
+    return list(ids)
+
+
 def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = None,
           reference: str, kind: str, statement: str, interval: Any = None,
-          role: str = "paper") -> dict[str, Any]:
+          role: str = "paper", evidence: Any = None) -> dict[str, Any]:
     """Record a checked statement and show it on the chapter page.
 
     Parameters
@@ -635,6 +649,8 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         inconclusive / not comparable; or "check", our own statement (a target, an
         implementation check, another paper's or a fact sheet's statement): verdict holds /
         fails / inconclusive, never counted as a reproduction.
+    evidence : optional id (or list of ids) of the figures and tables of this chapter
+        that support the claim; the reproduction report links to them.
 
     Returns
     -------
@@ -665,6 +681,7 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         paper = tuple(paper)
     if interval is not None:
         interval = _check_interval(interval)
+    evidence = _check_evidence(evidence, chapter)
     verdict = judge_claim(measured, paper, tolerance, kind, interval=interval)
     if role == "check":
         if verdict == "not comparable":
@@ -674,7 +691,7 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         "id": claim_id, "type": "claim", "role": role, "statement": _one_line(statement),
         "reference": reference, "kind": kind, "paper": paper, "measured": measured,
         "interval": interval, "tolerance": tolerance, "verdict": verdict,
-        **_provenance(chapter),
+        "evidence": evidence, **_provenance(chapter),
     })
     atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
     _register_id("claim_id", claim_id, chapter)
