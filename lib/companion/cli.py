@@ -26,7 +26,7 @@ from pathlib import Path
 
 from companion.provenance import SCALES, repo_root
 from companion.runner import (CELL_TIMEOUT_SECONDS, DEVICE_CHOICES, ChapterError, Project,
-                              RunInterrupted, install_interrupt_handlers, raise_if_interrupted)
+                              RunInterrupted, interrupt_guard)
 
 
 def _seconds(text: str) -> float:
@@ -87,12 +87,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # First thing: SIGINT/SIGTERM become a recorded interrupt (see runner.interrupt_guard).
-    install_interrupt_handlers()
     try:
-        code = _main(argv)
-        raise_if_interrupted()  # an interrupt swallowed on the way is still an interrupt
-        return code
+        # First thing: SIGINT/SIGTERM become a recorded interrupt, checked again at the
+        # end, so one swallowed on the way is still an interrupt (runner.interrupt_guard).
+        with interrupt_guard():
+            return _main(argv)
     except KeyboardInterrupt as exc:
         print("interrupted: the published outputs are whole (the previous ones, or the "
               "new ones where publishing had finished)", file=sys.stderr)

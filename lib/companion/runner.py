@@ -466,8 +466,7 @@ def interrupt_guard():
     swallowed exception cannot turn an interrupted run into a success.
     """
     previous = install_interrupt_handlers()
-    outermost = not _INTERRUPT.deferring and previous.get(signal.SIGINT) is not _on_interrupt_signal
-    if outermost:
+    if previous.get(signal.SIGINT) is not _on_interrupt_signal:  # not nested: a fresh record
         _INTERRUPT.signum = None
     try:
         yield
