@@ -11,10 +11,9 @@ Groups (the ``group`` field): dtype, shape, device, nan, negative, empty, unknow
 type, missing path, corrupt record. ``CLI_ROWS`` feed ``python -m companion`` (in-process
 through ``companion.cli.main``) and expect exit code 2 and a message on stderr.
 Calls that write files (provenance.save_figure / save_table / claim) are checked to
-leave nothing behind.
-
-``PENDING_ROWS`` at the end lists bad inputs that are not yet rejected clearly, in modules
-this file's author does not own; they are data, not executed.
+leave nothing behind. Damaged records (a truncated corpus file, claim/figure sidecars, a
+run record) name the file and how to regenerate it, or, for the run record, count as no
+record with a warning.
 """
 from __future__ import annotations
 
@@ -761,8 +760,12 @@ def test_truncated_run_record_counts_as_no_record(demo_project):
 
     path = demo_project.run_record("demo")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text('{"status": "ok", "cache_key": "ab')
-    assert runner.load_record(demo_project, "demo") is None
+    lines: list[str] = []
+    for damaged in ('{"status": "ok", "cache_key": "ab', '["ok"]'):
+        path.write_text(damaged)
+        assert runner.load_record(demo_project, "demo", lines.append) is None
+        assert lines and str(path) in lines[-1] and "unreadable" in lines[-1]
+        assert "runs again" in lines[-1]
 
 
 # ------------------------------------------------------------------ writers leave nothing
@@ -904,16 +907,3 @@ def test_cli_rejects_bad_arguments_with_exit_2(demo_project, capsys, name, argv,
     assert "Traceback" not in err
     after = sorted(p for p in demo_project.root.rglob("*") if p.is_file())
     assert after == before, "a rejected command must not write anything"
-
-
-# ------------------------------------------------------------------ pending
-# Bad inputs that are not yet rejected clearly, in modules owned by others (see the
-# closing report of issue 11, item 8). Data only: (module, call, what happens now,
-# what should happen). Move a row into ROWS once its module validates it.
-PENDING_ROWS = [
-    # runner (helper 1)
-    ("runner", "load_record with a truncated runs/<name>.json",
-     "returns None silently (a cache miss: the chapter re-runs, and a failure of that run "
-     "has no last_good to keep marked)",
-     "re-run, but echo a warning naming runs/<name>.json as unreadable"),
-]

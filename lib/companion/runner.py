@@ -299,14 +299,28 @@ def cache_key(project: Project, name: str, params: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def load_record(project: Project, name: str) -> dict[str, Any] | None:
+def load_record(project: Project, name: str,
+                echo: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """The last run record of chapter ``name``, or None when there is none.
+
+    An unreadable record (cut short by a full disk, edited by hand) counts as none: the
+    chapter is then run again rather than trusted. ``echo``, when given, is told so,
+    naming the file.
+    """
     path = project.run_record(name)
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
+        record = json.loads(path.read_text())
+        if isinstance(record, dict):
+            return record
+        problem = f"a JSON {type(record).__name__}, not an object"
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if echo is not None:
+        echo(f"[warning] {name}: the run record {path} is unreadable ({problem}); "
+             "treating it as no record, so the chapter runs again")
+    return None
 
 
 # --------------------------------------------------------------------------- notebook edits
@@ -736,7 +750,7 @@ def run_chapter(
         check_device_available(str(params["device"]))
         with chapter_lock(project, name, echo):
             key = cache_key(project, name, params)
-            previous = load_record(project, name)
+            previous = load_record(project, name, echo)
             if (not force and previous and previous.get("status") == "ok"
                     and previous.get("cache_key") == key and project.notebook(name).exists()):
                 echo(f"[cached] {name}: unchanged since {previous['finished']} "
