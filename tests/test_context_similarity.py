@@ -636,6 +636,142 @@ def test_merge_is_associative_and_equals_streaming():
         left.merge(SimilarityStats(**{**cfg, "percentile": 2.0}))
 
 
+def _reference_window_sums(res, percentile, threshold, seps, tracked, short, long_):
+    """Per-window contributions by brute force over pairs (float64, Python loops)."""
+    z, attn, ids, sent, mask = (res.outputs.double(), res.attentions.double(), res.input_ids,
+                                res.sentence_ids, res.attention_mask.bool())
+    b, n_l, n_h, t, _ = z.shape
+    sims = z @ z.transpose(-1, -2)
+    names = [n for n, shape in SimilarityStats._WINDOW_SUMS.items() if shape == ("L", "H")]
+    out = {n: torch.zeros(b, n_l, n_h, dtype=torch.float64)
+           for n in names + ["tracked_endpoints", "tracked_content"]}
+    out["n_queries"] = torch.zeros(b, dtype=torch.float64)
+    out["separator_attention"] = torch.zeros(b, n_l, n_h, len(seps), dtype=torch.float64)
+    out["chance_separator"] = torch.zeros(b, len(seps), dtype=torch.float64)
+    for w in range(b):
+        valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
+        pairs = [(i, j) for a, i in enumerate(valid) for j in valid[a + 1:]]
+        k = min(max(1, round(len(pairs) * percentile / 100)), len(pairs))
+        out["n_queries"][w] = len(valid)
+        n_keys = int(mask[w].sum())
+        for si, sid in enumerate(seps.values()):
+            keys = [p for p in range(t) if mask[w, p] and ids[w, p] == sid]
+            out["chance_separator"][w, si] = len(valid) * len(keys) / n_keys
+            for layer in range(n_l):
+                for h in range(n_h):
+                    out["separator_attention"][w, layer, h, si] = sum(
+                        float(attn[w, layer, h, qq, kk]) for qq in valid for kk in keys)
+        if not pairs:
+            continue
+        same = {p: bool(sent[w, p[0]] == sent[w, p[1]]) for p in pairs}
+        q = {dd: (sum(same[p] for p in pairs if p[1] - p[0] == dd)
+                  / max(1, sum(1 for p in pairs if p[1] - p[0] == dd))) for dd in range(1, t)}
+        mean_of = lambda f: sum(f(p) for p in pairs) / len(pairs)  # noqa: E731
+        for layer in range(n_l):
+            for h in range(n_h):
+                o = {n: 0.0 for n in out}
+                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
+                for i, j in ranked[:k]:
+                    dd = j - i
+                    region = max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold
+                    o["n_high"] += 1
+                    o["same_sentence"] += same[(i, j)]
+                    o["chance_same_sentence_distance"] += q[dd]
+                    o["identical"] += bool(ids[w, i] == ids[w, j])
+                    o["in_attention_region"] += bool(region)
+                    o["n_masked"] += not region
+                    o["masked_same_sentence"] += same[(i, j)] and not region
+                    o["masked_chance_same_sentence_distance"] += q[dd] * (not region)
+                    o["distance_sum"] += dd
+                    o["short_range"] += dd <= short
+                    o["long_range"] += dd > long_
+                    o["tracked_endpoints"] += ((ids[w, i] == tracked[layer, h]).item()
+                                               + (ids[w, j] == tracked[layer, h]).item())
+                o["chance_same_sentence"] = k * mean_of(lambda p: same[p])
+                o["chance_identical"] = k * mean_of(lambda p: bool(ids[w, p[0]] == ids[w, p[1]]))
+                o["chance_distance_sum"] = k * mean_of(lambda p: p[1] - p[0])
+                o["chance_short_range"] = k * mean_of(lambda p: p[1] - p[0] <= short)
+                o["chance_long_range"] = k * mean_of(lambda p: p[1] - p[0] > long_)
+                for n in names + ["tracked_endpoints"]:
+                    out[n][w, layer, h] = float(o[n])
+    for layer in range(n_l):
+        for h in range(n_h):
+            for w in range(b):
+                out["tracked_content"][w, layer, h] = sum(
+                    int(ids[w, p] == tracked[layer, h]) for p in range(t)
+                    if mask[w, p] and sent[w, p] >= 0)
+    return out
+
+
+@pytest.mark.parametrize("percentile", [10.0, 50.0])
+def test_per_window_sums_equal_brute_force_at_any_batch_size(percentile, monkeypatch):
+    """per_window=True: every window's contribution by brute force (short, mixed and empty
+    windows, batch sizes 1, 2, 3), the aggregate sums unchanged, tracked tokens counted."""
+    monkeypatch.setattr(cs, "SHORT_RANGE", 2)
+    monkeypatch.setattr(cs, "LONG_RANGE", 5)
+    res = _mixed_batch(7)
+    seps = {"sep": 2, "comma": 4}
+    tracked = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    ref = _reference_window_sums(res, percentile, 0.08, seps, tracked, 2, 5)
+    plain = _reference_stats(res, percentile, 0.08, seps, 9)
+    for size in (1, 2, 3):
+        stats = SimilarityStats(2, 3, 13, 9, percentile=percentile, attention_threshold=0.08,
+                                separators=seps, per_window=True).track_tokens(tracked)
+        for start in range(0, len(MIXED_CONTENT), size):
+            stats.update(_window_slice(res, slice(start, start + size)))
+        got = stats.window_sums()
+        assert set(got) == set(ref)
+        for name, value in ref.items():
+            torch.testing.assert_close(got[name], value, atol=1e-9, rtol=1e-9,
+                                       msg=lambda m, name=name: f"size {size}, {name}: {m}")
+        for name, value in stats.tensors().items():
+            torch.testing.assert_close(value.double(), plain[name], atol=1e-9, rtol=1e-9)
+    assert float(ref["long_range"].sum()) > 0 and float(ref["tracked_endpoints"].sum()) > 0
+
+
+def test_window_bootstrap_merge_and_state_dict():
+    parts = [_random_batch(s) for s in range(3)]
+    cfg = dict(n_layers=2, n_heads=3, length=20, vocab_size=9, percentile=5.0,
+               separators={"sep": 2}, per_window=True)
+    tracked = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    a = SimilarityStats(**cfg).track_tokens(tracked).update(parts[0]).update(parts[1])
+    b = SimilarityStats(**cfg).track_tokens(tracked).update(parts[2])
+    c = SimilarityStats(**cfg).update(parts[2])
+    whole = SimilarityStats(**cfg).track_tokens(tracked)
+    for r in parts:
+        whole.update(r)
+    merged = a.copy().merge(b)
+    for name, value in whole.window_sums().items():
+        torch.testing.assert_close(merged.window_sums()[name], value)
+    # tracking different tokens (or none): the merge keeps the rest, drops the tracked counts
+    untracked = a.copy().merge(c).window_sums()
+    assert "tracked_endpoints" not in untracked and untracked["n_high"].shape[0] == 9
+    restored = SimilarityStats.from_state_dict(merged.state_dict())
+    for name, value in merged.window_sums().items():
+        assert torch.equal(restored.window_sums()[name], value)
+    # the bootstrap: paired resampled sums; each replicate draws W windows
+    boot = merged.window_bootstrap(reps=200, seed=3)
+    assert torch.equal(boot["n_queries"], merged.window_bootstrap(reps=200, seed=3)["n_queries"])
+    ws = merged.window_sums()
+    n_win = ws["n_queries"].shape[0]
+    assert boot["n_high"].shape == (200, 2, 3)
+    mean_boot = boot["same_sentence"].mean(0)
+    torch.testing.assert_close(mean_boot, ws["same_sentence"].sum(0), rtol=0.1, atol=1.0)
+    # each replicate is a sum of W windows drawn with replacement
+    nq = ws["n_queries"]
+    assert n_win == 9 and boot["n_queries"].shape == (200,)
+    lo_ok, hi_ok = boot["n_queries"] >= n_win * nq.min(), boot["n_queries"] <= n_win * nq.max()
+    assert bool((lo_ok & hi_ok).all())
+    with pytest.raises(ValueError, match="per_window=True"):
+        SimilarityStats(**{**cfg, "per_window": False}).update(parts[0]).window_sums()
+    with pytest.raises(ValueError, match="before the first update"):
+        SimilarityStats(**cfg).update(parts[0]).track_tokens(tracked)
+    with pytest.raises(TypeError, match="token_ids"):
+        SimilarityStats(**cfg).track_tokens(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="reps"):
+        merged.window_bootstrap(reps=0)
+
+
 # ------------------------------------------------------------------ both dtypes
 
 

