@@ -48,8 +48,10 @@ quadratically (see the chapter).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -64,17 +66,22 @@ __all__ = [
     "autoregressive_family",
     "bidirectional_family",
     "block_generation_family",
+    "MergeCheck",
     "block_two_stream",
     "butterfly",
+    "diagram_embedding",
     "hasse_diagram",
     "leaky_bidirectional",
     "masked_language_model",
+    "merge_check",
     "minimal_merge",
     "node_equivalence",
     "node_signatures",
+    "random_autoregressive_family",
     "self_leakage",
     "supervision_density",
     "tokens_visible",
+    "upstream_classes",
 ]
 
 
@@ -299,6 +306,150 @@ def minimal_merge(tasks: Sequence[Task], *, sparse: bool = False, name: str = ""
     return Task(tuple(inputs), tuple(targets), mask, name)
 
 
+# ------------------------------------------------- checks of a merge (reference)
+def _label(graph, v):
+    return tuple(sorted(graph.nodes[v]["inputs"]))
+
+
+def _labelled_upstream(graph, v):
+    """``v`` and its ancestors, each labelled by its sorted inputs (``v`` marked)."""
+    sub = graph.subgraph(nx.ancestors(graph, v) | {v}).copy()
+    for u in sub:
+        sub.nodes[u]["label"] = (_label(graph, u), u == v)
+    return sub
+
+
+def upstream_classes(tasks: Sequence[Task]) -> dict[tuple[int, int], int]:
+    """Node equivalence straight from Definition 3.5, by graph isomorphism (a reference).
+
+    Two nodes (of any tasks' Hasse diagrams) are equivalent when their input multisets
+    are equal and their upstream dependency structures (the node and its ancestors, every
+    node labelled by its input multiset) are isomorphic as labelled DAGs. Each node is
+    compared, with ``networkx.is_isomorphic``, with one representative of every class
+    met so far that has the same label, size and multiset of upstream labels (the
+    relation is an equivalence, so one comparison per class decides). Independent of the
+    signatures of :func:`node_signatures`, against which it is the reference; slow
+    (one isomorphism test per node and candidate class), exact.
+
+    Returns a dict ``(task index, node) -> class id``, numbered like
+    :func:`node_equivalence` (order of first appearance).
+
+    >>> eq = upstream_classes(autoregressive_family(3))
+    >>> [eq[(t, v)] for t, v in sorted(eq)]  # position j is one class in every task
+    [0, 0, 1, 0, 1, 2]
+    """
+    tasks = _task_list(tasks)
+    match = nx.algorithms.isomorphism.categorical_node_match("label", None)
+    reps: dict = {}  # quick key -> list of (class id, upstream graph)
+    out: dict[tuple[int, int], int] = {}
+    n_classes = 0
+    for t, task in enumerate(tasks):
+        graph = hasse_diagram(task)
+        for v in sorted(graph):
+            up = _labelled_upstream(graph, v)
+            key = (_label(graph, v), up.number_of_nodes(), up.number_of_edges(),
+                   tuple(sorted(up.nodes[u]["label"][0] for u in up)))
+            for cid, other in reps.get(key, ()):
+                if nx.is_isomorphic(up, other, node_match=match):
+                    out[(t, v)] = cid
+                    break
+            else:
+                reps.setdefault(key, []).append((n_classes, up))
+                out[(t, v)] = n_classes
+                n_classes += 1
+    return out
+
+
+def diagram_embedding(task: Task, merged: Task) -> dict[int, int] | None:
+    """A map of ``task``'s Hasse diagram into ``merged``'s, or None when there is none.
+
+    The map sends each node ``v`` to a node ``f(v)`` of the merged diagram such that
+    (i) ``f`` is injective, (ii) ``f(v)`` has the same input multiset as ``v``, (iii) the
+    covers of ``f(v)`` are exactly the images of the covers of ``v`` (so every covering
+    edge maps to a covering edge and the upstream structure of ``v`` maps onto that of
+    ``f(v)``: the merged task computes what ``task`` computes), and (iv) every target of
+    ``v``'s members is a target of ``f(v)``'s members with the same input. The candidate
+    is found through :func:`node_signatures` and each condition is then verified
+    directly on the two diagrams, so a wrong signature cannot pass unnoticed.
+
+    >>> family = autoregressive_family(3)
+    >>> diagram_embedding(family[1], minimal_merge(family))
+    {0: 0, 1: 1}
+    >>> diagram_embedding(bidirectional_family(3)[0], minimal_merge(family)) is None
+    True
+    """
+    _check_task(task)
+    _check_task(merged, "merged")
+    (g, big), (sig, big_sig) = node_signatures([task, merged])
+    by_sig: dict[int, int] = {}
+    for w in sorted(big):
+        by_sig.setdefault(big_sig[w], w)
+    if any(sig[v] not in by_sig for v in g):
+        return None
+    f = {v: by_sig[sig[v]] for v in sorted(g)}
+    if len(set(f.values())) != len(f):
+        return None
+    for v, w in f.items():
+        if _label(g, v) != _label(big, w):
+            return None
+        if {f[u] for u in g.predecessors(v)} != set(big.predecessors(w)):
+            return None
+        need = Counter((i, y) for i, y in zip(g.nodes[v]["inputs"], g.nodes[v]["targets"])
+                       if y is not None)
+        have = Counter(zip(big.nodes[w]["inputs"], big.nodes[w]["targets"]))
+        if need - have:
+            return None
+    return f
+
+
+class MergeCheck(NamedTuple):
+    """What :func:`merge_check` finds; ``minimal`` says whether all of it holds."""
+
+    embeds: tuple  # per task: its diagram embeds in the merged one (diagram_embedding)
+    merged_nodes: int  # nodes of the merged Hasse diagram
+    family_classes: int  # equivalence classes of the family's nodes (upstream_classes)
+    equivalent_pairs: int  # pairs of merged nodes that are equivalent (should be 0)
+    dense: bool  # the merged mask equals its limit R (one layer suffices)
+
+    @property
+    def minimal(self) -> bool:
+        return (all(self.embeds) and self.merged_nodes == self.family_classes
+                and self.equivalent_pairs == 0 and self.dense)
+
+
+def merge_check(tasks: Sequence[Task], merged: Task) -> MergeCheck:
+    """Check that ``merged`` is a minimal common supergraph of the family (Theorem 3.7).
+
+    Common supergraph: every task's diagram embeds (:func:`diagram_embedding`). Minimal:
+    no two merged nodes are equivalent, and the merged diagram has exactly one node per
+    equivalence class of the family's nodes -- a common supergraph whose embeddings keep
+    upstream structure needs at least one node per class, since two nodes with the same
+    image have isomorphic upstream structures. Classes are counted with the
+    isomorphism reference :func:`upstream_classes`, not with the signatures the merge
+    uses. ``dense``: the merged mask is its own limit (``A = R``).
+
+    >>> fam = block_generation_family(4, 2)
+    >>> merge_check(fam, minimal_merge(fam)).minimal
+    True
+    >>> merge_check(fam, minimal_merge(fam[:1])).embeds
+    (True, False)
+    """
+    tasks = _task_list(tasks)
+    _check_task(merged, "merged")
+    embeds = tuple(diagram_embedding(t, merged) is not None for t in tasks)
+    family = upstream_classes(tasks)
+    own = Counter(upstream_classes([merged]).values())
+    mask = merged.mask.cpu()
+    return MergeCheck(
+        embeds=embeds,
+        merged_nodes=len(hasse_diagram(merged)),
+        family_classes=len(set(family.values())),
+        equivalent_pairs=sum(c * (c - 1) // 2 for c in own.values()),
+        dense=bool(torch.equal(RR.reachability_limit(mask)[0], mask | torch.eye(
+            mask.shape[0], dtype=torch.bool))),
+    )
+
+
 # --------------------------------------------------------------------- families
 def autoregressive_family(n: int) -> list[Task]:
     """Tasks ``T_k`` (``k = 1..n``): predict token ``k`` from tokens ``0..k-1``.
@@ -319,6 +470,39 @@ def autoregressive_family(n: int) -> list[Task]:
         )
         for k in range(1, n + 1)
     ]
+
+
+def random_autoregressive_family(
+    n: int, p: float = 0.1, *, generator: torch.Generator | None = None
+) -> list[Task]:
+    """The autoregressive family with each task's mask and layout drawn at random.
+
+    ``T_k`` (``k = 1..n``) predicts token ``k`` from tokens ``0..k-1`` as in
+    :func:`autoregressive_family`, but its mask is a random sparse mask with the same
+    limit: the chain edges ``j -> j+1`` plus each earlier key ``i < j - 1`` with
+    probability ``p`` (so every position reaches exactly its prefix, through up to
+    ``k - 1`` layers), and its positions are put in a random order. The Hasse diagram
+    of every task is still the chain, so the minimal merge must recover the causal
+    mask from diagrams alone, whatever mask and order each task came with.
+
+    >>> fam = random_autoregressive_family(5, 0.3, generator=torch.Generator().manual_seed(0))
+    >>> merged = minimal_merge(fam)
+    >>> order = sorted(range(5), key=lambda q: merged.inputs[q])
+    >>> torch.equal(merged.permute(order).mask, M.causal(5))
+    True
+    """
+    n = check_int("n", n, 1)
+    p = check_number("p", p, minimum=0.0, maximum=1.0, expected="a probability in [0, 1]")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {describe(generator)}")
+    tasks = []
+    for k in range(1, n + 1):
+        extra = torch.rand(k, k, generator=generator) < p
+        mask = M.chain(k) | (extra & torch.ones(k, k, dtype=torch.bool).tril(-2))
+        task = Task(tuple((q,) for q in range(k)), tuple([None] * (k - 1) + [k]), mask,
+                    f"AR (random mask and order): predict {k}")
+        tasks.append(task.permute(torch.randperm(k, generator=generator).tolist()))
+    return tasks
 
 
 def block_generation_family(n: int, block: int) -> list[Task]:
