@@ -685,6 +685,7 @@ def _reference_window_sums(res, percentile, threshold, seps, tracked, short, lon
                     o["distance_sum"] += dd
                     o["short_range"] += dd <= short
                     o["long_range"] += dd > long_
+                    o["identical_long_range"] += dd > long_ and bool(ids[w, i] == ids[w, j])
                     o["tracked_endpoints"] += ((ids[w, i] == tracked[layer, h]).item()
                                                + (ids[w, j] == tracked[layer, h]).item())
                 o["chance_same_sentence"] = k * mean_of(lambda p: same[p])

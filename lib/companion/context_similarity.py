@@ -1025,7 +1025,8 @@ class SimilarityStats:
     bootstrap over windows (:meth:`window_bootstrap`) can resample any ratio of sums. Besides
     the ``[L, H]`` sums above they hold ``n_masked`` (high pairs outside the attention
     region), ``distance_sum`` (sum of ``j - i``), ``short_range`` / ``long_range`` (high
-    pairs with ``j - i <= SHORT_RANGE`` / ``> LONG_RANGE``) and their uniform chance
+    pairs with ``j - i <= SHORT_RANGE`` / ``> LONG_RANGE``; ``identical_long_range``: the
+    identical-token ones among the latter) and their uniform chance
     counts ``chance_distance_sum``, ``chance_short_range``, ``chance_long_range`` (``k``
     times the window's mean over its content pairs), ``separator_attention`` [W, L, H, S],
     ``chance_separator`` [W, S], ``n_queries`` [W] (content tokens). With
@@ -1074,7 +1075,8 @@ class SimilarityStats:
             "chance_same_sentence_distance", "identical", "chance_identical",
             "in_attention_region", "n_masked", "masked_same_sentence",
             "masked_chance_same_sentence_distance", "distance_sum", "chance_distance_sum",
-            "short_range", "chance_short_range", "long_range", "chance_long_range")},
+            "short_range", "chance_short_range", "long_range", "chance_long_range",
+            "identical_long_range")},
         "separator_attention": ("L", "H", "S"),
         "chance_separator": ("S",),
         "n_queries": (),
@@ -1493,6 +1495,7 @@ class SimilarityStats:
         win["distance_sum"] = dist_kept.sum(3).double()
         win["short_range"] = kept((dist_sel >= 1) & (dist_sel <= SHORT_RANGE)).sum(3).double()
         win["long_range"] = kept(dist_sel > LONG_RANGE).sum(3).double()
+        win["identical_long_range"] = kept(ident_sel & (dist_sel > LONG_RANGE)).sum(3).double()
         d = torch.arange(t_len, device=dev, dtype=torch.float64)
         for name, share in (
                 ("chance_distance_sum", (valid_d * d).sum(1)),
