@@ -1,0 +1,314 @@
+"""The SBM-Transformer chapter's experiment driver: many seeded training runs, per-item
+test records, bootstrap intervals, FLOP counts and peak-memory measurement.
+
+Definition
+----------
+- :func:`run_jobs` trains one :class:`~companion.lra.model.LRAClassifier` per
+  :class:`TrainJob` (a task, an attention, a seed, a density penalty) with
+  :func:`companion.lra.train.train`, in worker processes when several CPUs are free
+  (each worker one torch thread; the jobs are independent and each is seeded by its
+  own ``seed``, so the results do not depend on the number of workers or their order).
+  Each run also records, per test item, whether the prediction is right, the
+  negative log-likelihood of the true label and the mean density over layers and heads
+  (:func:`per_item`).
+- :func:`bootstrap` gives a percentile interval of a statistic of ``[seeds, items]``
+  arrays, resampling seeds and test items (two-level bootstrap; paired arrays are
+  resampled together).
+- :func:`model_flops` counts the inference FLOPs of one input through the classifier
+  (dense, or SBM at a given density), :func:`peak_memory` measures the resident-set
+  peak of a callable, :func:`loglog_slope` fits a log-log slope with a bootstrap over
+  repeated timings, :func:`poisson_dispersion` tests ``E[A] = P`` from Monte Carlo counts.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+import multiprocessing
+
+import numpy as np
+import torch
+
+from companion._validate import check_int
+from companion.lra.model import LRAClassifier
+from companion.lra.train import TrainConfig, TrainResult, train
+
+__all__ = ["TrainJob", "RunRecord", "run_jobs", "per_item", "bootstrap", "model_flops",
+           "peak_memory", "loglog_slope", "poisson_dispersion", "spearman"]
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One training run: ``task`` names the entry of the data dict given to
+    :func:`run_jobs`; the rest are the model and :class:`TrainConfig` settings."""
+
+    task: str
+    attention: str
+    seed: int
+    lam: float
+    steps: int
+    vocab: int
+    classes: int
+    pad: int | None
+    clusters: int
+    dropout: float
+    lr: float
+    batch: int
+    eval_batch: int = 100
+
+    @property
+    def key(self):
+        return (self.task, self.attention, self.seed, self.lam)
+
+
+@dataclass
+class RunRecord:
+    """A trained model, its :class:`TrainResult` and per-test-item records
+    (numpy arrays over the test split: ``correct`` bool, ``nll``, ``density``)."""
+
+    model: LRAClassifier
+    result: TrainResult
+    correct: np.ndarray
+    nll: np.ndarray
+    density: np.ndarray
+    seconds: float
+
+
+def _build(job: TrainJob, seq_len: int, device) -> LRAClassifier:
+    torch.manual_seed(job.seed)
+    return LRAClassifier(job.vocab, seq_len, job.classes, attention=job.attention,
+                         num_clusters=job.clusters, pad_id=job.pad, dropout=job.dropout,
+                         device=device)
+
+
+def per_item(model: LRAClassifier, tokens: torch.Tensor, labels: torch.Tensor, *,
+             batch_size: int = 100, seed: int = 0):
+    """Per test item: prediction right (bool), NLL of the true label, mean density over
+    layers and heads (1 for dense). SBM graphs drawn with a generator seeded ``seed``."""
+    gen = torch.Generator(device=tokens.device).manual_seed(seed)
+    was = model.training
+    model.eval()
+    correct, nll, dens = [], [], []
+    with torch.no_grad():
+        for s in range(0, len(labels), batch_size):
+            logits, dd = model(tokens[s:s + batch_size], generator=gen)
+            y = labels[s:s + batch_size]
+            correct.append((logits.argmax(-1) == y).cpu())
+            nll.append(torch.nn.functional.cross_entropy(logits, y, reduction="none").cpu())
+            dens.append(torch.stack([d.mean(1) for d in dd]).mean(0).cpu())
+    model.train(was)
+    return (torch.cat(correct).numpy(), torch.cat(nll).double().numpy(),
+            torch.cat(dens).double().numpy())
+
+
+def _train_one(job: TrainJob, splits, device, progress: bool):
+    t0 = time.perf_counter()
+    model = _build(job, splits[0][0].shape[1], device)
+    config = TrainConfig(steps=job.steps, batch_size=job.batch, lr=job.lr, lam=job.lam,
+                         eval_every=max(job.steps // 5, 1), eval_batch_size=job.eval_batch,
+                         seed=job.seed)
+    result = train(model, *splits, config, progress=progress)
+    correct, nll, dens = per_item(model, *splits[2], batch_size=job.eval_batch,
+                                  seed=job.seed + 7)
+    return model, result, correct, nll, dens, time.perf_counter() - t0
+
+
+_DATA: dict = {}
+
+
+def _init_worker(data):
+    torch.set_num_threads(1)
+    _DATA.clear()
+    _DATA.update(data)
+
+
+def _worker(job: TrainJob):
+    model, result, correct, nll, dens, seconds = _train_one(job, _DATA[job.task], "cpu", False)
+    return job, model.state_dict(), result, correct, nll, dens, seconds
+
+
+def default_workers(n_jobs: int) -> int:
+    """Worker processes for ``n_jobs`` CPU jobs: ``COMPANION_LRA_WORKERS`` if set, else
+    the torch threads the runner gave this chapter (``COMPANION_TORCH_THREADS``) or the
+    CPU count, at most ``n_jobs``."""
+    env = os.environ.get("COMPANION_LRA_WORKERS")
+    if env:
+        return max(1, min(int(env), n_jobs))
+    avail = int(os.environ.get("COMPANION_TORCH_THREADS") or os.cpu_count() or 1)
+    return max(1, min(avail, n_jobs))
+
+
+def run_jobs(jobs, data: dict, *, device, workers: int | None = None,
+             progress: bool = False) -> dict:
+    """Train every job; returns ``{job.key: RunRecord}``.
+
+    ``data`` maps a job's ``task`` to its ``[(train), (dev), (test)]`` splits of
+    ``(tokens, labels)`` tensors on ``device``. With ``workers > 1`` (CPU only) the jobs
+    run in that many spawned processes of one torch thread each, longest first.
+    """
+    jobs = list(jobs)
+    device = torch.device(device)
+    if workers is None:
+        workers = 1 if device.type != "cpu" else default_workers(len(jobs))
+    workers = check_int("workers", workers, minimum=1)
+    out = {}
+    if workers == 1 or len(jobs) <= 1:
+        for job in jobs:
+            model, result, correct, nll, dens, sec = _train_one(job, data[job.task], device,
+                                                                progress)
+            out[job.key] = RunRecord(model, result, correct, nll, dens, sec)
+        return out
+    if device.type != "cpu":
+        raise ValueError("workers: worker processes are for CPU runs; use workers=1 on GPU")
+    cpu_data = {t: [tuple(x.cpu() for x in split) for split in splits]
+                for t, splits in data.items()}
+    order = sorted(jobs, key=lambda j: -(j.steps * (3 if j.attention == "sbm" else 1)
+                                         * cpu_data[j.task][0][0].shape[1]))
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(cpu_data,)) as pool:
+        for job, state, result, correct, nll, dens, sec in pool.map(_worker, order):
+            model = _build(job, data[job.task][0][0].shape[1], device)
+            model.load_state_dict(state)
+            model.eval()
+            out[job.key] = RunRecord(model, result, correct, nll, dens, sec)
+    return {job.key: out[job.key] for job in jobs}
+
+
+# ------------------------------------------------------------------------- statistics
+def bootstrap(stat, arrays: dict, *, reps: int = 1000, seed: int = 0,
+              level: float = 0.95, resample_seeds: bool = True) -> tuple[float, float]:
+    """Percentile interval of ``stat(arrays)`` under a two-level bootstrap.
+
+    ``arrays`` maps names to arrays of shape ``[S, N]`` (seeds x test items), all paired:
+    one draw picks ``S`` seed rows and ``N`` item columns with replacement and applies
+    them to every array. With one seed (or ``resample_seeds=False``) only items are
+    resampled.
+
+    >>> a = np.ones((3, 50))
+    >>> bootstrap(lambda d: d["a"].mean(), {"a": a}, reps=20)
+    (1.0, 1.0)
+    """
+    arrs = {k: np.asarray(v, dtype=float) for k, v in arrays.items()}
+    shapes = {v.shape for v in arrs.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"arrays: expected paired [seeds, items] arrays, got shapes {shapes}")
+    s, n = next(iter(shapes))
+    rng = np.random.default_rng(seed)
+    vals = np.empty(reps)
+    for r in range(reps):
+        rows = rng.integers(0, s, s) if (resample_seeds and s > 1) else np.arange(s)
+        cols = rng.integers(0, n, n)
+        vals[r] = stat({k: v[rows][:, cols] for k, v in arrs.items()})
+    a = (1 - level) / 2
+    return float(np.quantile(vals, a)), float(np.quantile(vals, 1 - a))
+
+
+def spearman(x, y) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN when a side is constant."""
+    from scipy.stats import rankdata
+
+    rx, ry = rankdata(np.asarray(x, float)), rankdata(np.asarray(y, float))
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def model_flops(n_valid, density, *, attention: str, dim: int = 64,
+                heads: int = 2, head_dim: int = 32, ffn: int = 128, num_layers: int = 2,
+                clusters: int = 128, classes: int = 10) -> float:
+    """Inference FLOPs (2 per multiply-add) of one input of ``n_valid`` tokens (numbers
+    or numpy arrays of inputs; ``density`` is ignored for dense attention).
+
+    Per layer: the QKV and output projections ``2 n dim (3 H d + H d)``, the FFN
+    ``4 n dim ffn``, and per head the attention ``4 d E`` on ``E`` edges (dense: every
+    valid pair, ``E = n^2``; SBM: ``E = density n^2``). SBM heads add the shared MLP on
+    queries and keys (``8 n d^2``), the memberships ``sigmoid(MLP(.) C^T)``
+    (``4 n d k``), ``C C^T`` (``2 k^2 d``) and ``Qhat S`` in fastRG (``2 n k^2``).
+    The classifier adds ``2 (dim ffn + ffn classes)``. Embedding look-ups, LayerNorm,
+    softmax and the O(E) index work of sampling are not counted (O(n) or O(E) each).
+    """
+    n = np.asarray(n_valid, dtype=float)
+    per_layer = 2 * n * dim * 4 * heads * head_dim + 4 * n * dim * ffn
+    edges = (1.0 if attention == "dense" else np.asarray(density, dtype=float)) * n * n
+    head = 4 * head_dim * edges
+    if attention == "sbm":
+        head += (8 * n * head_dim ** 2 + 4 * n * head_dim * clusters
+                 + 2 * clusters ** 2 * head_dim + 2 * n * clusters ** 2)
+    total = num_layers * (per_layer + heads * head) + 2 * (dim * ffn + ffn * classes)
+    return float(total) if np.ndim(total) == 0 else total
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("VmHWM not in /proc/self/status")
+
+
+def peak_memory(fn) -> float | None:
+    """Peak resident memory (bytes) that ``fn()`` adds on CPU, or None where it cannot be
+    measured (not Linux).
+
+    torch's CPU allocator keeps no statistics, so: glibc's ``mallopt`` sets the mmap
+    threshold to 64 KiB (every larger buffer is its own mapping, returned to the system
+    when freed, so the resident set follows live tensors), one warm-up call, then the
+    kernel's high-water mark is reset (``/proc/self/clear_refs``) and
+    ``VmHWM - RSS before`` is read after a second call. The threshold stays set: call
+    this after the training of a chapter, not before.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+        fn()
+        base = _rss()
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        fn()
+        return float(max(_hwm() - base, 0))
+    except OSError:
+        return None
+
+
+def loglog_slope(x, times, *, reps: int = 1000, seed: int = 0):
+    """Least-squares slope of ``log(median time)`` on ``log x`` and a bootstrap interval
+    resampling, at every ``x``, its repeated timings (``times`` is ``[len(x), R]``)."""
+    x = np.log(np.asarray(x, float))
+    t = np.asarray(times, float)
+    fit = lambda tt: float(np.polyfit(x, np.log(np.median(tt, axis=1)), 1)[0])  # noqa: E731
+    rng = np.random.default_rng(seed)
+    r = t.shape[1]
+    vals = [fit(np.take_along_axis(t, rng.integers(0, r, t.shape), axis=1)) for _ in range(reps)]
+    return fit(t), (float(np.quantile(vals, 0.025)), float(np.quantile(vals, 0.975)))
+
+
+def poisson_dispersion(counts: torch.Tensor, p: torch.Tensor, *, groups: int = 20,
+                       reps: int = 1000, seed: int = 0):
+    """``E[A] = P`` from ``R`` Monte Carlo draws, split into ``groups`` equal groups.
+
+    Per group of ``r`` draws: the mean over entries of ``(mean count - P)^2 / (P / r)``,
+    which is 1 (up to ``sqrt(2 / entries)``) when the counts have mean ``P`` and Poisson
+    variance ``P``, and grows with any bias of the mean. Returns the mean over groups and
+    a bootstrap interval over the groups. ``counts`` ``[R, entries]``, ``p``
+    ``[entries]`` (entries with ``P > 0``)."""
+    c = counts.double()
+    p = p.double()
+    groups = check_int("groups", groups, minimum=2)
+    r = c.shape[0] // groups
+    if r < 1:
+        raise ValueError(f"counts: {c.shape[0]} draws cannot fill {groups} groups")
+    means = c[: r * groups].reshape(groups, r, -1).mean(1)
+    per_group = (((means - p) ** 2) / (p / r)).mean(-1).numpy()
+    rng = np.random.default_rng(seed)
+    boot = [per_group[rng.integers(0, groups, groups)].mean() for _ in range(reps)]
+    return float(per_group.mean()), (float(np.quantile(boot, 0.025)),
+                                     float(np.quantile(boot, 0.975)))
