@@ -221,3 +221,85 @@ def test_padded_sbm_layer_matches_a_gathered_composition():
     assert float(results[0][0][2, :, 5:].abs().max()) == 0  # padded queries: zero rows
     for a, c in zip(*results):
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-10)
+
+
+# ----------------------------------------------------------- experiments (the chapter's driver)
+def test_bootstrap_resamples_seeds_and_items_together():
+    import numpy as np
+
+    from companion.lra.experiments import bootstrap
+
+    a = np.zeros((3, 40))
+    a[:, :20] = 1.0  # mean 0.5
+    lo, hi = bootstrap(lambda d: d["a"].mean() - d["b"].mean(), {"a": a, "b": a}, reps=50)
+    assert lo == hi == 0.0  # paired arrays: same rows and columns for both
+    lo, hi = bootstrap(lambda d: d["a"].mean(), {"a": a}, reps=400, seed=1)
+    assert lo < 0.5 < hi and hi - lo < 0.5
+    with pytest.raises(ValueError, match="arrays"):
+        bootstrap(lambda d: 0.0, {"a": a, "b": a[:, :3]})
+
+
+def test_model_flops_counts_dense_and_sbm_terms():
+    import numpy as np
+
+    from companion.lra.experiments import model_flops
+
+    n, d, k = 10, 32, 8
+    dense = model_flops(n, 0.3, attention="dense", clusters=k, classes=2)
+    linear = 2 * (2 * n * 64 * 4 * 64 + 4 * n * 64 * 128) + 2 * (64 * 128 + 128 * 2)
+    assert dense == linear + 2 * 2 * attention_flops(n * n, d)
+    sbm = model_flops(n, 0.3, attention="sbm", clusters=k, classes=2)
+    extra = 8 * n * d * d + 4 * n * d * k + 2 * k * k * d + 2 * n * k * k
+    assert math.isclose(sbm, linear + 2 * 2 * (attention_flops(0.3 * n * n, d) + extra))
+    both = model_flops(np.array([n, n]), np.array([0.3, 0.3]), attention="sbm", clusters=k,
+                       classes=2)
+    assert np.allclose(both, sbm)
+
+
+def test_poisson_dispersion_is_one_for_poisson_counts_and_grows_with_bias():
+    from companion.lra.experiments import poisson_dispersion
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(500, generator=g) * 0.5 + 0.05
+    counts = torch.poisson(p.expand(400, 500), generator=g)
+    value, (lo, hi) = poisson_dispersion(counts, p, groups=10, reps=200)
+    assert lo <= value <= hi and abs(value - 1) < 0.1
+    biased, _ = poisson_dispersion(counts, p * 1.2, groups=10, reps=200)
+    assert biased > 1.15  # excess (0.2 P)^2 r / P = 0.04 * 40 * mean P ~ 0.5
+
+
+def test_loglog_slope_recovers_a_power_law():
+    import numpy as np
+
+    from companion.lra.experiments import loglog_slope
+
+    rng = np.random.default_rng(0)
+    x = np.array([1e3, 1e4, 1e5, 1e6])
+    times = 2e-7 * x[:, None] * rng.uniform(0.95, 1.05, (4, 5))
+    slope, (lo, hi) = loglog_slope(x, times, reps=200)
+    assert lo <= slope <= hi and abs(slope - 1) < 0.05
+
+
+def test_run_jobs_in_worker_processes_matches_one_process():
+    from companion.lra.experiments import TrainJob, run_jobs
+
+    pairs = listops.generate(48, seed=0, min_length=6, max_length=20, max_depth=2)
+    tokens, labels = listops.dataset(pairs, max_length=24)
+    splits = [(tokens[:32], labels[:32]), (tokens[32:40], labels[32:40]),
+              (tokens[40:], labels[40:])]
+    jobs = [TrainJob(task="lo", attention=att, seed=s, lam=1e-4, steps=2,
+                     vocab=listops.vocab_size(), classes=10, pad=0, clusters=4, dropout=0.0,
+                     lr=1e-3, batch=8, eval_batch=8)
+            for att in ("dense", "sbm") for s in (0, 1)]
+    one = run_jobs(jobs, {"lo": splits}, device="cpu", workers=1)
+    two = run_jobs(jobs, {"lo": splits}, device="cpu", workers=2)
+    assert list(one) == list(two) == [j.key for j in jobs]
+    for key in one:
+        assert one[key].result.losses == two[key].result.losses
+        assert (one[key].correct == two[key].correct).all()
+        assert (one[key].density == two[key].density).all()
+        assert one[key].correct.shape == (8,)
+        assert math.isclose(float(one[key].correct.mean()), one[key].result.test_accuracy)
+        for a, b in zip(one[key].model.state_dict().values(),
+                        two[key].model.state_dict().values()):
+            assert torch.equal(a, b)
