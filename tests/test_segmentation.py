@@ -140,10 +140,12 @@ def test_combine_equals_direct_average():
     z = [sg.standardise(sims[:, ly, h].double()) for ly in layers for h in heads[ly]]
     ref = sg.standardise(sum(z) / len(z))
     got = sg.combine(sims, layers, heads)
-    assert torch.allclose(got, ref)
+    assert got.dtype == torch.float32  # the input's precision
+    assert torch.allclose(got.double(), ref, atol=1e-5)
+    assert torch.allclose(sg.combine(sims.double(), layers, heads), ref, atol=1e-12)
     # pre-standardised input gives the same; symmetrising = combining (S + S^T) / 2
     pre = sg.standardise(sims)
-    assert torch.allclose(sg.combine(pre, layers, heads, standardised=True), got)
+    assert torch.allclose(sg.combine(pre, layers, heads, standardised=True), got, atol=1e-5)
     assert torch.allclose(sg.combine(sims, symmetrise=True),
                           sg.combine(0.5 * (sims + sims.transpose(-1, -2))))
     assert torch.allclose(sg.combine(sims, [1], detrend=True),
@@ -345,8 +347,13 @@ def test_scores_point_bootstrap_and_paired_difference():
     assert s.difference("perfect", "perfect", "F1") == (0.0, 0.0, 0.0)
     point, lo, hi = s.difference("perfect", "none", "F1 ±1")
     assert point == lo == hi == 1.0
+    # a list stands for its best member, in the sample and in every resample
+    assert s.difference(["none", "perfect"], "shifted", "F1") == (1.0, 1.0, 1.0)
+    assert s.difference("shifted", ["none", "perfect"], "Pk")[0] == s.point("shifted")[2]
     with pytest.raises(ValueError, match="metric"):
         s.difference("perfect", "none", "accuracy")
+    with pytest.raises(ValueError, match="a: unknown method"):
+        s.difference("nobody", "none", "F1")
     with pytest.raises(ValueError, match="predictions"):
         se.Scores.compute(gold, {"bad": gold[:, :5]}, [0, 0, 1, 2], k=2)
 

@@ -60,15 +60,24 @@ __all__ = [
     "segment_gains",
     "standardise",
     "texttiling",
+    "texttiling_cut",
     "texttiling_scores",
 ]
 
 
 def _check_square(name: str, m) -> torch.Tensor:
-    check_tensor(name, m, min_ndim=2, floating=True, finite=True, nonempty=True)
+    check_tensor(name, m, min_ndim=2, floating=True, nonempty=True)
     if m.shape[-1] != m.shape[-2]:
         raise ValueError(f"{name}: expected square matrices [..., n, n], got {tuple(m.shape)}")
+    # any NaN or infinity makes the float64 sum non-finite: one reduction, no mask tensor
+    if not bool(torch.isfinite(m.sum(dtype=torch.float64))):
+        raise ValueError(f"{name}: expected finite values (found NaN or infinity)")
     return m
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; float32 and the half types compute in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _penalties(penalty) -> tuple[torch.Tensor, bool]:
@@ -113,13 +122,17 @@ def standardise(m: torch.Tensor) -> torch.Tensor:
 
 def _standardise(m: torch.Tensor) -> torch.Tensor:
     n = m.shape[-1]
-    off = ~torch.eye(n, dtype=torch.bool, device=m.device)
     cnt = n * (n - 1)
-    x = m.masked_fill(~off, 0)
-    mean = x.sum((-1, -2), keepdim=True) / cnt
-    dev = (x - mean).masked_fill(~off, 0)
-    std = (dev.square().sum((-1, -2), keepdim=True) / cnt).sqrt()
-    return dev / torch.where(std > 0, std, torch.ones_like(std))
+    diag = m.diagonal(dim1=-2, dim2=-1)
+    mean = (m.sum((-1, -2)) - diag.sum(-1)) / cnt
+    # population variance of the off-diagonal entries, from their centred squares
+    centred = m - mean[..., None, None]
+    cdiag = centred.diagonal(dim1=-2, dim2=-1)
+    var = (centred.square().sum((-1, -2)) - cdiag.square().sum(-1)) / cnt
+    std = var.clamp(min=0).sqrt()
+    out = centred.div_(torch.where(std > 0, std, torch.ones_like(std))[..., None, None])
+    out.diagonal(dim1=-2, dim2=-1).zero_()
+    return out
 
 
 def detrend(m: torch.Tensor) -> torch.Tensor:
@@ -176,7 +189,8 @@ def combine(sims: torch.Tensor, layers=None, heads=None, *, symmetrise: bool = F
 
     Returns
     -------
-    Tensor [B, n, n], float64: each head's matrix standardised (:func:`standardise`),
+    Tensor [B, n, n] in the input's precision, at least float32: each head's matrix
+    standardised (:func:`standardise`),
     averaged over the chosen heads and layers, (detrended,) standardised again.
     """
     check_tensor("sims", sims, ndim=5, floating=True, nonempty=True,
@@ -235,21 +249,27 @@ def head_selection(n_layers: int, n_heads: int, layers=None, heads=None) -> dict
 
 
 def _head_sum(sims, layer, heads, prepare=None) -> torch.Tensor:
-    """Sum over ``heads`` of layer ``layer``'s (prepared) matrices, float64 [B, n, n]."""
-    s = sims[:, layer, heads].to(torch.float64)
+    """Sum over ``heads`` of layer ``layer``'s (prepared) matrices [B, n, n], in the input's
+    precision (at least float32)."""
+    s = sims[:, layer, heads].to(_work_dtype(sims.dtype))
     if prepare is not None:
         s = prepare(s)
     return s.sum(1)
 
 
-def _combine_sums(sums, count: int, detrend: bool) -> torch.Tensor:
+def _mean_of_sums(sums, count: int) -> torch.Tensor:
     total = sums[0]
     for s in sums[1:]:
         total = total + s
-    m = total / count
-    if detrend:
-        m = _detrend(m)
-    return _standardise(m)
+    return total / count
+
+
+def _finish(mean: torch.Tensor, detrend: bool) -> torch.Tensor:
+    return _standardise(_detrend(mean) if detrend else mean)
+
+
+def _combine_sums(sums, count: int, detrend: bool) -> torch.Tensor:
+    return _finish(_mean_of_sums(sums, count), detrend)
 
 
 # --------------------------------------------------------------------------- segmenter
@@ -260,10 +280,10 @@ def segment_gains(m: torch.Tensor) -> torch.Tensor:
 
     From the prefix sums ``P[r, c] = sum_{i < r, j < c, i < j} M_ij`` of the strict upper
     triangle: ``W(a, b) = P[b, b] - P[a, b]`` (entries with ``a > b`` are meaningless).
-    Returns float64 [..., n + 1, n + 1].
+    Returns [..., n + 1, n + 1] in the input's precision (at least float32).
     """
     _check_square("m", m)
-    u = torch.triu(m.to(torch.float64), diagonal=1)
+    u = torch.triu(m.to(_work_dtype(m.dtype)), diagonal=1)
     p = torch.nn.functional.pad(u.cumsum(-2).cumsum(-1), (1, 0, 1, 0))  # [..., n+1, n+1]
     diag = p.diagonal(dim1=-2, dim2=-1)  # P[b, b], [..., n+1]
     return diag.unsqueeze(-2) - p
@@ -286,6 +306,9 @@ def optimal_segmentation(m: torch.Tensor, penalty) -> torch.Tensor:
     BoolTensor [..., n] for a scalar penalty, [..., P, n] for several: True where a
     segment starts (index 0 is always False). Ties go to the earliest segment start.
 
+    The sums are formed in the input's precision (float64 input: float64; otherwise
+    float32), so near-ties may resolve differently at the two precisions.
+
     Complexity
     ----------
     O(n^2) time per matrix and penalty (n Python-level steps, each one vectorised
@@ -294,31 +317,32 @@ def optimal_segmentation(m: torch.Tensor, penalty) -> torch.Tensor:
     _check_square("m", m)
     pen, scalar = _penalties(penalty)
     n = m.shape[-1]
-    # row b of wt holds W(a, b) for every start a: contiguous reads in the loop below
-    wt = segment_gains(m).transpose(-1, -2).contiguous()  # [..., n+1 (end), n+1 (start)]
     batch = m.shape[:-2]
+    nb = len(batch)
+    # step-major layout: wt[b, a, ...] = W(a, b), and every table below is [n+1, ..., P],
+    # so each step reads and writes contiguous blocks and reduces over the leading dim
+    wt = segment_gains(m).permute(nb + 1, nb, *range(nb)).contiguous()[..., None]
     dev = wt.device
     pen = pen.to(dev)
     n_pen = pen.shape[0]
-    back = torch.zeros(*batch, n_pen, n + 1, dtype=torch.long, device=dev)
-    # penalty charged for a segment [a, b) that starts a new segment (a > 0)
-    charge = pen[:, None] * (torch.arange(n + 1, device=dev) > 0).to(torch.float64)
+    back = torch.zeros(n + 1, *batch, n_pen, dtype=torch.long, device=dev)
     # g[a] = F(a) - (penalty if a > 0): the candidate for start a is g[a] + W(a, b)
-    g = (-charge).expand(*batch, n_pen, n + 1).clone()
+    g = torch.empty(n + 1, *batch, n_pen, dtype=wt.dtype, device=dev)
+    pen = pen.to(wt.dtype)
+    g[0] = 0.0
     for b in range(1, n + 1):
-        cand = g[..., :b] + wt[..., None, b, :b]
-        best, arg = cand.max(-1)  # first maximum: ties go to the earliest start
-        g[..., b] = best - charge[:, b]
-        back[..., b] = arg
-    out = torch.zeros(*batch, n_pen, n + 1, dtype=torch.bool, device=dev)
-    pos = torch.full((*batch, n_pen, 1), n, dtype=torch.long, device=dev)
+        best, arg = (g[:b] + wt[b, :b]).max(0)  # first maximum: ties go to the earliest start
+        g[b] = best - pen
+        back[b] = arg
+    out = torch.zeros(n + 1, *batch, n_pen, dtype=torch.bool, device=dev)
+    pos = torch.full((1, *batch, n_pen), n, dtype=torch.long, device=dev)
     for _ in range(n):
-        start = back.gather(-1, pos)
-        out.scatter_(-1, start, True)
+        start = back.gather(0, pos)
+        out.scatter_(0, start, True)
         pos = start
         if not bool(pos.any()):
             break
-    res = out[..., :n].clone()
+    res = out[:n].permute(*range(1, nb + 2), 0).clone()  # [..., P, n]
     res[..., 0] = False
     return res[..., 0, :] if scalar else res
 
@@ -440,12 +464,20 @@ def texttiling_scores(x: torch.Tensor, width: int) -> torch.Tensor:
 def texttiling(x: torch.Tensor, width: int, cutoff: float) -> torch.Tensor:
     """TextTiling boundaries: gaps whose depth score (:func:`texttiling_scores`) is a
     local maximum and exceeds ``mean + cutoff * std`` of the window's depth scores
-    (Hearst's liberal rule is ``cutoff = -0.5``).
+    (Hearst's liberal rule is ``cutoff = -0.5``); see :func:`texttiling_cut`.
 
     Returns BoolTensor [..., n], True where a segment starts.
     """
+    return texttiling_cut(texttiling_scores(x, width), cutoff)
+
+
+def texttiling_cut(depth: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Boundaries from depth scores [..., n] (index 0 unused): the gaps that are a local
+    maximum (strictly above the left neighbour, at least the right one), positive, and
+    above ``mean + cutoff * std`` of the window's depth scores. BoolTensor [..., n]."""
     cutoff = check_number("cutoff", cutoff)
-    depth = texttiling_scores(x, width)[..., 1:]  # [..., n-1]
+    check_tensor("depth", depth, min_ndim=1, floating=True, nonempty=True)
+    depth = depth[..., 1:]  # [..., n-1]
     mean = depth.mean(-1, keepdim=True)
     std = depth.std(-1, unbiased=False, keepdim=True)
     left = torch.nn.functional.pad(depth[..., :-1], (1, 0), value=-math.inf)
