@@ -22,7 +22,6 @@ Definition
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
