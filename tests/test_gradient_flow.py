@@ -433,6 +433,41 @@ def test_gronwall_bound_is_respected_for_token_perturbation():
                      <= sup + 1e-12)
 
 
+def test_loglog_order_recovers_power_laws():
+    x = np.array([1e-3, 1e-2, 1e-1])
+    assert gf.loglog_order(x, 3 * x) == pytest.approx(1.0, abs=1e-12)
+    assert gf.loglog_order(x, 0.5 * x**-0.5) == pytest.approx(-0.5, abs=1e-12)
+    assert gf.loglog_order(torch.tensor(x), torch.tensor(np.ones(3))) == pytest.approx(0.0)
+
+
+def test_bootstrap_over_paths_against_explicit_resampling():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(1.0, 0.3, size=(4, 12)), rng.normal(2.0, 0.1, size=12)
+    stat = lambda u, v: u.mean() / v.mean()
+    lo, hi = gf.bootstrap_over_paths(stat, a, b, n_boot=500, level=0.9, seed=5)
+    # The same replicates by hand: one index draw per replicate, shared by both arrays.
+    ref_rng = np.random.default_rng(5)
+    reps = []
+    for _ in range(500):
+        idx = ref_rng.integers(0, 12, size=12)
+        reps.append(stat(a[:, idx], b[idx]))
+    assert (lo, hi) == pytest.approx(tuple(np.percentile(reps, [5, 95])), rel=1e-12)
+    assert lo < stat(a, b) < hi
+    # Constant paths: a degenerate interval at the value.
+    assert gf.bootstrap_over_paths(lambda v: v.mean(), np.full(5, 2.0)) == (2.0, 2.0)
+
+
+def test_bootstrap_over_paths_coverage_of_a_mean():
+    # The 95 % interval of a normal mean over 20 paths covers the true mean in most trials.
+    rng = np.random.default_rng(0)
+    hits = 0
+    for trial in range(100):
+        v = rng.normal(0.0, 1.0, size=20)
+        lo, hi = gf.bootstrap_over_paths(lambda u: u.mean(), v, n_boot=400, seed=trial)
+        hits += lo <= 0.0 <= hi
+    assert hits >= 85
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -452,6 +487,16 @@ def test_gronwall_bound_is_respected_for_token_perturbation():
         (lambda x, D: gf.Oscillating("random"), "phases"),
         (lambda x, D: gf.fit_power_law([1, 1], [1.0, 2.0]), "H"),
         (lambda x, D: gf.w2_sphere(x[0], x[0, :3]), "x, y"),
+        (lambda x, D: gf.loglog_order([1.0, 2.0], [1.0]), "x, y"),
+        (lambda x, D: gf.loglog_order([1.0, 2.0], [1.0, -1.0]), "y"),
+        (lambda x, D: gf.loglog_order([1.0, 1.0], [1.0, 2.0]), "x"),
+        (lambda x, D: gf.bootstrap_over_paths("mean", np.ones(3)), "statistic"),
+        (lambda x, D: gf.bootstrap_over_paths(np.mean), "samples"),
+        (lambda x, D: gf.bootstrap_over_paths(np.mean, np.ones(1)), "at least 2 paths"),
+        (lambda x, D: gf.bootstrap_over_paths(np.mean, np.ones(3), np.ones(4)), "samples"),
+        (lambda x, D: gf.bootstrap_over_paths(np.mean, np.ones(3), level=1.0), "level"),
+        (lambda x, D: gf.bootstrap_over_paths(lambda v: float("nan"), np.ones(3)),
+         "statistic"),
     ],
 )
 def test_bad_input_raises_clear_errors(call, match):

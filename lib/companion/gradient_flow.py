@@ -69,10 +69,12 @@ __all__ = [
     "Oscillating",
     "PowerLawFit",
     "Trajectory",
+    "bootstrap_over_paths",
     "fit_power_law",
     "gronwall_bound",
     "initial_weights",
     "lipschitz_constant",
+    "loglog_order",
     "octahedral_tokens",
     "oscillating_target",
     "pairwise_inner_stats",
@@ -740,6 +742,91 @@ def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
     b_ci = tuple(float(c) for c in np.percentile(coef[1], q))
     a_ci = tuple(float(c) for c in np.exp(np.percentile(coef[0], q)))
     return PowerLawFit(a, b, b_ci, a_ci, level, n_boot)
+
+
+def _as_float_array(name, a) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        check_tensor(name, a)
+        a = a.detach().to("cpu", torch.float64).numpy()
+    try:
+        return np.asarray(a, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: expected numbers, got {describe(a)}") from exc
+
+
+def loglog_order(x, y) -> float:
+    """Least-squares slope of ``log y`` against ``log x`` (an order of convergence).
+
+    ``x``, ``y``: 1-D, same length k >= 2, finite and positive.
+
+    >>> round(loglog_order([1e-3, 1e-2, 1e-1], [2e-6, 2e-4, 2e-2]), 6)
+    2.0
+    """
+    xs = _as_float_array("x", x).reshape(-1)
+    ys = _as_float_array("y", y).reshape(-1)
+    if xs.size < 2 or xs.size != ys.size:
+        raise ValueError(f"x, y: expected two 1-D sequences of equal length >= 2, got "
+                         f"{xs.size} and {ys.size} values")
+    for name, a in (("x", xs), ("y", ys)):
+        if np.any(~np.isfinite(a)) or np.any(a <= 0):
+            raise ValueError(f"{name}: expected finite positive numbers, got {a.tolist()}")
+    if np.unique(xs).size < 2:
+        raise ValueError(f"x: expected at least two distinct values, got {xs.tolist()}")
+    return _loglog_fit(np.log(xs), np.log(ys))[1]
+
+
+def bootstrap_over_paths(statistic, *samples, n_boot: int = 2000, level: float = 0.95,
+                         seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``statistic`` over Monte Carlo paths.
+
+    Parameters
+    ----------
+    statistic : callable taking the arrays of ``samples`` (resampled) and returning a
+        finite float, e.g. ``lambda r: r.mean()``.
+    samples : one or more arrays (tensors or array-likes) whose *last* axis is the path
+        axis, all with the same number ``P >= 2`` of paths. Paths are resampled with
+        replacement, with the same indices in every array (paired: a path's values at
+        several ``dt`` or ``H`` stay together).
+    n_boot : replicates. level : confidence level in (0, 1). seed : numpy seed (>= 0).
+
+    Returns
+    -------
+    ``(lo, hi)``. Replicates on which ``statistic`` is not finite are dropped; a
+    ``ValueError`` is raised when fewer than half remain. Complexity O(n_boot * cost).
+
+    >>> lo, hi = bootstrap_over_paths(lambda v: v.mean(), np.arange(10.0), seed=1)
+    >>> 2.5 < lo < 4.5 < hi < 6.5
+    True
+    """
+    if not callable(statistic):
+        raise TypeError(f"statistic: expected a callable, got {describe(statistic)}")
+    if not samples:
+        raise ValueError("samples: expected at least one array with paths on the last axis")
+    arrays = [_as_float_array(f"samples[{i}]", a) for i, a in enumerate(samples)]
+    P = arrays[0].shape[-1] if arrays[0].ndim else 0
+    for i, a in enumerate(arrays):
+        if a.ndim < 1 or a.shape[-1] != P:
+            raise ValueError(f"samples[{i}]: expected the path axis last with {P} paths like "
+                             f"samples[0], got shape {a.shape}")
+    if P < 2:
+        raise ValueError(f"samples: expected at least 2 paths to resample, got {P}")
+    n_boot = check_int("n_boot", n_boot, 1)
+    level = check_number("level", level, minimum=0.0, maximum=1.0, min_open=True,
+                         max_open=True)
+    seed = check_int("seed", seed, minimum=0)
+    rng = np.random.default_rng(seed)
+    reps = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, P, size=P)
+        value = float(statistic(*(a[..., idx] for a in arrays)))
+        if math.isfinite(value):
+            reps.append(value)
+    if len(reps) < max(1, n_boot // 2):
+        raise ValueError(f"statistic: finite on only {len(reps)} of {n_boot} bootstrap "
+                         "replicates")
+    q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
+    lo, hi = np.percentile(np.asarray(reps), q)
+    return float(lo), float(hi)
 
 
 # ------------------------------------------------------------------- W2 and stability
