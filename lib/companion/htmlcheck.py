@@ -2,8 +2,10 @@
 
 The built HTML is served on 127.0.0.1 (a random free port); every page of the table
 of contents is opened and must: load, have every ``<img>`` loaded (naturalWidth > 0),
-render its maths with the local MathJax (no script fetched from another host), and log
-no console error. A screenshot of each page is saved under
+render its maths with the local MathJax (no script fetched from another host, no TeX
+error), show no raw LaTeX in its text (:func:`raw_latex`: ``$...$``, ``$$``, ``\\sqrt``,
+``x_{i}`` outside code and maths, i.e. maths the Markdown parser did not recognise),
+and log no console error. A screenshot of each page is saved under
 ``<build>/../screenshots/``.
 
 Outcomes (the exit code of ``python -m companion check-html``, :attr:`Report.exit_code`):
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import html.parser
 import http.server
+import re
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -33,6 +37,116 @@ def find_browser() -> tuple[str | None, str | None]:
 def toc_pages(project) -> list[str]:
     """The HTML paths of every page in the table of contents, root first."""
     return [f + ".html" for f in project.toc_files()]
+
+
+# What is not prose: code, maths (rendered or not), scripts. Raw LaTeX is looked for
+# in the rest. The browser check and raw_latex_in_html use the same lists.
+EXCLUDED_TAGS = ("pre", "code", "kbd", "samp", "script", "style", "textarea", "svg", "math",
+                 "mjx-container")
+EXCLUDED_CLASSES = ("math", "highlight", "cell_input", "MathJax", "linenos")
+# Block elements end a line of text, so that a pattern cannot span two paragraphs.
+BLOCK_TAGS = ("p", "div", "li", "td", "th", "tr", "table", "dt", "dd", "h1", "h2", "h3",
+              "h4", "h5", "h6", "figcaption", "caption", "section", "br", "blockquote")
+
+_RAW_LATEX = (
+    # "$x$", "$W_O$.": a $ opening before a non-space non-digit and closing after a
+    # non-space, not glued to a word or a digit: "$5 and $10", "US$5", "5$" do not match.
+    ("$...$", re.compile(r"(?<![\w$\\])\$(?=[^\s$\d])[^$\n]{0,300}?(?<=[^\s$\\])\$(?![\w$])")),
+    ("$$", re.compile(r"\$\$")),
+    # A TeX command of two or more letters: \sqrt, \frac, \mathbb (not "\n").
+    ("\\command", re.compile(r"(?<![\w\\])\\[A-Za-z]{2,}")),
+    # A TeX sub- or superscript group: x_{i}, e^{i}.
+    ("_{ or ^{", re.compile(r"[\w)\]}][_^]\{")),
+)
+
+
+def raw_latex(text: str) -> list[str]:
+    """The pieces of ``text`` (a page's prose, code and maths removed) that look like
+    LaTeX left unparsed, each with a little context; empty when there is none.
+
+    >>> raw_latex("the slice of W_O$. The $A^{lh}$ map")
+    ['$A^{lh}$ (in: ...f W_O$. The $A^{lh}$ map)']
+    >>> raw_latex("It costs $5, or $10 with US$3 of tax, and 5$ is cheap.")
+    []
+    """
+    found = []
+    for line in text.split("\n"):
+        taken: list[tuple[int, int]] = []  # one finding per stretch of a line
+        for _name, pattern in _RAW_LATEX:
+            for m in pattern.finditer(line):
+                if any(m.start() < hi and lo < m.end() for lo, hi in taken):
+                    continue
+                taken.append(m.span())
+                lo, hi = max(0, m.start() - 12), min(len(line), m.end() + 12)
+                context = ("..." if lo else "") + line[lo:hi].strip() + (
+                    "..." if hi < len(line) else "")
+                piece = m.group(0) if len(m.group(0)) <= 40 else m.group(0)[:37] + "..."
+                found.append(f"{piece} (in: {context[:80]})")
+    return found
+
+
+class _ProseText(html.parser.HTMLParser):
+    """The text of an HTML page outside code and maths (inside ``<article>`` if any)."""
+
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
+            "source", "track", "wbr"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[tuple[str, bool]] = []  # (tag, excluded)
+        self.parts: list[tuple[int, str]] = []  # (article depth, text)
+        self.article = 0
+        self.has_article = False
+
+    def handle_starttag(self, tag, attrs):
+        classes = set((dict(attrs).get("class") or "").split())
+        if tag in BLOCK_TAGS:
+            self.parts.append((self.article, "\n"))
+        if tag in self.VOID:
+            return
+        excluded = (bool(self.stack) and self.stack[-1][1]) or tag in EXCLUDED_TAGS or bool(
+            classes & set(EXCLUDED_CLASSES))
+        if tag == "article":
+            self.article += 1
+            self.has_article = True
+        self.stack.append((tag, excluded))
+
+    def handle_endtag(self, tag):
+        if tag in BLOCK_TAGS:
+            self.parts.append((self.article, "\n"))
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][0] == tag:
+                del self.stack[i:]
+                if tag == "article":
+                    self.article -= 1
+                break
+
+    def handle_data(self, data):
+        if not (self.stack and self.stack[-1][1]):
+            self.parts.append((self.article, data))
+
+    def text(self) -> str:
+        keep = [s for depth, s in self.parts if depth > 0 or not self.has_article]
+        return "".join(keep)
+
+
+def prose_text(page_html: str) -> str:
+    """The text a reader sees outside code and maths (see :data:`EXCLUDED_TAGS`)."""
+    parser = _ProseText()
+    parser.feed(page_html)
+    parser.close()
+    return parser.text()
+
+
+def raw_latex_in_html(page_html: str) -> list[str]:
+    r""":func:`raw_latex` of an HTML page's prose (what the browser check applies to the
+    rendered page, here on HTML source: a ``<span class="math">`` counts as maths).
+
+    >>> raw_latex_in_html('<p>outputs <span class="math">\\(i\\)</span>, $<span '
+    ...                   'class="math">z</span>W_O$.</p><pre>$x$ \\sqrt</pre>')
+    ['$W_O$ (in: outputs , $W_O$.)']
+    """
+    return raw_latex(prose_text(page_html))
 
 
 @dataclass
@@ -104,10 +218,21 @@ const bad = imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.get
 const mathSource = document.querySelectorAll('.math, span.math, div.math').length;
 const rendered = document.querySelectorAll('mjx-container').length;
 const scripts = Array.from(document.scripts).map(s => s.src).filter(s => s);
+const texErrors = document.querySelectorAll('mjx-merror').length;
+// The prose: the article without code and maths, a line break around every block.
+const root = document.querySelector('article') || document.querySelector('main') || document.body;
+const clone = root.cloneNode(true);
+clone.querySelectorAll(arguments[0]).forEach(e => e.remove());
+clone.querySelectorAll(arguments[1]).forEach(e => {
+  e.prepend(document.createTextNode('\\n')); e.append(document.createTextNode('\\n'));
+});
 return {images: imgs.length, bad: bad, mathSource: mathSource, rendered: rendered,
-        scripts: scripts, title: document.title,
+        scripts: scripts, title: document.title, texErrors: texErrors,
+        prose: clone.textContent,
         mathjax: !!(window.MathJax && window.MathJax.startup)};
 """
+_EXCLUDED_SELECTOR = ", ".join(list(EXCLUDED_TAGS) + [f".{c}" for c in EXCLUDED_CLASSES])
+_BLOCK_SELECTOR = ", ".join(BLOCK_TAGS)
 
 
 def _driver(browser: str, driver_path: str):
@@ -166,13 +291,20 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                     WebDriverWait(driver, 10).until(lambda d: d.execute_script(
                         "return Array.from(document.images).every(i => i.complete)"))
                 driver.execute_script("window.scrollTo(0, 0)")
-                state = driver.execute_script(_PAGE_STATE_JS)
+                state = driver.execute_script(_PAGE_STATE_JS, _EXCLUDED_SELECTOR,
+                                              _BLOCK_SELECTOR)
                 res.images = state["images"]
                 res.math = state["rendered"]
                 if state["bad"]:
                     res.problems.append(f"images not loaded: {state['bad'][:5]}")
                 if state["mathSource"] and not state["rendered"]:
                     res.problems.append(f"{state['mathSource']} math element(s) not rendered")
+                if state["texErrors"]:
+                    res.problems.append(f"{state['texErrors']} formula(s) with TeX errors")
+                raw = raw_latex(state["prose"])
+                if raw:
+                    res.problems.append(f"raw LaTeX in the page text (maths not parsed?): "
+                                        f"{raw[:3]}")
                 external = [s for s in state["scripts"] if not s.startswith(base)]
                 if external:
                     res.problems.append(f"scripts from other hosts: {external[:3]}")
