@@ -1,6 +1,7 @@
 """Generated pages, environment pins, and the built book checked in headless Chromium."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -47,9 +48,100 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     assert "1 figure(s) in 1 chapter(s)." in index.split("## Demo chapter")[0]
     assert "scale `smoke`" in index
     report = pages.reproduction_report(p)
-    assert "| Demo chapter | 1 | 0 | 0 | 1 | 0 | 0 | 0 | fresh |" in report
-    assert "{ref}`demo-mean-small <demo-mean-small>`" in report
-    assert "**not comparable**" in report
+    # Counts: paper claims (differs, inconclusive, reproduced, not comparable), then checks
+    # (fails, inconclusive, holds), never added together.
+    assert "| Demo chapter | 0 | 0 | 1 | 1 | 0 | 0 | 1 | fresh |" in report
+    assert ("In all: 2 paper claims (1 reproduced, 1 not comparable); and 1 check "
+            "(1 holds), not counted as reproductions.") in report
+    paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
+    # A paper claim: coloured verdict, link to its box, statement, the paper's place, the
+    # threshold in one cell, the measured value with its interval, a link to its evidence.
+    row = next(r for r in paper_part.splitlines() if "demo-mean-small <" in r)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:5] == ["{bdg-success}`reproduced`", "{ref}`demo-mean-small <demo-mean-small>`",
+                         "The sample mean is within 1 of zero.", "Sec. 1", "0 \u00b1 1"]
+    assert re.fullmatch(r"\u2212?[0-9.]+ \[\u2212?[0-9.]+, \u2212?[0-9.]+\]", cells[5]), cells[5]
+    assert cells[6] == "{numref}`demo-summary`"
+    assert ("{bdg-muted}`not comparable` | {ref}`demo-not-available <demo-not-available>`"
+            in paper_part)
+    assert paper_part.index("demo-mean-small <") < paper_part.index("demo-not-available <")
+    assert "demo-drew-n-values" not in paper_part, "a check is not listed with the paper claims"
+    assert ("| {bdg-success-line}`holds` | {ref}`demo-drew-n-values <demo-drew-n-values>` | "
+            "The chapter drew n values. | this chapter | holds | holds |") in check_part
+    assert "| Tolerance |" not in report and "|  |" not in report, "no empty column"
+
+
+def _write_claim(project, record: dict) -> None:
+    folder = project.assets("demo") / "claims"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{record['id']}.json").write_text(json.dumps(record))
+
+
+def test_report_leads_with_differs_and_inconclusive_and_tables_checks_apart(demo_project):
+    base = {"reference": "Fig. 2", "statement": "S.", "tolerance": None, "interval": None,
+            "evidence": [], "role": "paper"}
+    records = [  # written oldest first in this order
+        {**base, "id": "demo-a", "kind": "abs", "paper": -1.0, "tolerance": 0.5,
+         "measured": -0.9, "interval": [-1.2, -0.7], "verdict": "reproduced"},
+        {**base, "id": "demo-b", "kind": "range", "paper": [0.2, 0.4], "measured": 0.5,
+         "verdict": "differs", "evidence": ["demo-fig", "demo-tab"]},
+        {**base, "id": "demo-c", "kind": "at_least", "paper": 0.342, "measured": 0.36,
+         "interval": [0.33, 0.39], "verdict": "inconclusive"},
+        {**base, "id": "demo-d", "kind": "at_most", "paper": 1.0, "tolerance": 0.25,
+         "measured": 2.0, "verdict": "fails", "role": "check", "reference": "this chapter"},
+        {**base, "id": "demo-e", "kind": "holds", "paper": "qualitative", "measured": True,
+         "verdict": "holds", "role": "check"},
+        {**base, "id": "demo-f", "kind": "rel", "paper": 2.0, "tolerance": 0.1,
+         "measured": 2.1, "verdict": "reproduced"},
+    ]
+    for i, r in enumerate(records):
+        _write_claim(demo_project, {**r, "created": f"2026-01-01T00:00:0{i}"})
+    report = pages.reproduction_report(demo_project)
+    assert "| Demo chapter | 1 | 1 | 2 | 0 | 1 | 0 | 1 | STALE |" in report
+    paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
+    order = [m for m in re.findall(r"\{ref\}`(demo-[a-f]) <", paper_part)]
+    assert order == ["demo-b", "demo-c", "demo-a", "demo-f"], "differs, inconclusive first"
+    assert re.findall(r"\{ref\}`(demo-[a-f]) <", check_part) == ["demo-d", "demo-e"]
+    lines = {f"demo-{k}": next(r for r in report.splitlines() if f"`demo-{k} <" in r)
+             for k in "abcdef"}
+    assert "| \u22121 \u00b1 0.5 | \u22120.9 [\u22121.2, \u22120.7] |" in lines["demo-a"]
+    assert "| in [0.2, 0.4] | 0.5 | {numref}`demo-fig` {numref}`demo-tab` |" in lines["demo-b"]
+    assert lines["demo-b"].startswith("| {bdg-danger}`differs` |")
+    assert "| \u2265 0.342 | 0.36 [0.33, 0.39] |" in lines["demo-c"]
+    assert lines["demo-c"].startswith("| {bdg-warning}`inconclusive` |")
+    assert "| \u2264 1 + 0.25 | 2 |" in lines["demo-d"]
+    assert lines["demo-d"].startswith("| {bdg-danger-line}`fails` |"), "checks: outlined badges"
+    assert "| 2 \u00b1 10 % | 2.1 |" in lines["demo-f"]
+    assert "The last run of this chapter failed or never happened" in paper_part
+
+
+@pytest.mark.parametrize("snippet, found", [
+    # What MyST made of a $$ block glued to its paragraph (Definition 2.1 before the fix).
+    ('<p>outputs, for every token <span class="math notranslate nohighlight">\\(i\\)</span>,'
+     '\n$<span class="math notranslate nohighlight">\\(z^{lh}_i\\)</span>'
+     '<span class="math notranslate nohighlight">\\(the slice\\)</span>W_O$.</p>', "$W_O$"),
+    ("<p>with noise $dW = \\sqrt{dt}$ here</p>", "$dW = \\sqrt{dt}$"),
+    ("<p>the gradient \\frac12 of x</p>", "\\frac"),
+    ("<p>the entries x_{ij} of it</p>", "x_{"),
+    ("<div><p>a</p>$$</div>", "$$"),
+    # Not raw LaTeX: rendered or unrendered maths, code, prices, text outside the article.
+    ('<p>maths <span class="math notranslate nohighlight">\\(\\sqrt{x}\\)</span> ok</p>', None),
+    ("<p>rendered <mjx-container><mjx-math>x</mjx-math><mjx-assistive-mml><math><mi>x</mi>"
+     "</math></mjx-assistive-mml></mjx-container>, then $5.</p>", None),
+    ("<p>run <code>echo $HOME \\sqrt $x$</code></p><pre>a_{i} = $b$\n\\frac</pre>", None),
+    ('<div class="highlight"><span>$x$</span></div><div class="cell_input">\\alpha</div>', None),
+    ("<p>It costs $5 or $10, US$3, and 5$; prices.</p>", None),
+    ("<p>costs $x</p><p>y$ in another paragraph</p>", None),
+    ("<nav>$x$ in the sidebar</nav><article><p>clean</p></article>", None),
+])
+def test_raw_latex_detector_on_snippets(snippet, found):
+    from companion.htmlcheck import raw_latex_in_html
+
+    hits = raw_latex_in_html(f"<html><body>{snippet}</body></html>")
+    if found is None:
+        assert hits == [], hits
+    else:
+        assert hits and hits[0].startswith(found), hits
 
 
 def test_bibtex_entry_names_commit_and_figure():
@@ -80,14 +172,19 @@ def test_built_book_passes_browser_check(demo_project):
     assert report.ok, report.summary()
     assert len(report.pages) == 5
     demo = next(r for r in report.pages if r.page.endswith("demo.html"))
-    assert demo.images >= 1 and demo.math >= 2
+    # Inline maths, and the definition's $$ display block (rendered, no raw LaTeX left).
+    assert demo.images >= 1 and demo.math >= 4
     assert all(Path(r.screenshot).stat().st_size > 0 for r in report.pages)
 
 
 @pytest.mark.skipif(not mathjax_available(), reason="local MathJax missing: run make setup")
-def test_browser_check_detects_broken_image(demo_project):
+def test_browser_check_detects_broken_image_and_raw_latex(demo_project):
     require_browser()
     p = demo_project
+    # A $$ block glued to its paragraph is not parsed as maths: the page shows raw LaTeX.
+    source = p.source("demo")
+    source.write_text(source.read_text() + "\nBroken on purpose: the formula\n$$\n"
+                      "\\bar x = \\frac{1}{n} \\sum_{i=1}^{n} x_i\n$$\nglued to its paragraph.\n")
     assert runner.run_chapter(p, "demo", scale="smoke", echo=_quiet).status == "ok"
     runner.build_html(p, echo=_quiet)
     html_dir = p.build_dir / "html"
@@ -95,8 +192,10 @@ def test_browser_check_detects_broken_image(demo_project):
         img.write_bytes(b"not a png")
     report = check_book(p, html_dir, pages=["book/_generated/chapters/demo.html"])
     assert not report.ok and "images not loaded" in report.summary()
+    assert "raw LaTeX in the page text" in report.summary(), report.summary()
     proc = _cli(p, "check-html")  # what `make book` runs: a problem is a non-zero exit
     assert proc.returncode == 1 and "images not loaded" in proc.stdout, proc.stdout
+    assert "raw LaTeX" in proc.stdout
 
 
 def _cli(project, *args, env=None):

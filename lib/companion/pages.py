@@ -163,8 +163,21 @@ def _cell(value: Any) -> str:
     return describe_value(value).replace("|", "\\|")
 
 
-_PAPER_COLUMNS = ("reproduced", "differs", "inconclusive", "not comparable")
-_CHECK_COLUMNS = ("holds", "fails", "inconclusive")
+def _number(value: Any) -> str:
+    """A number as the report prints it: 4 significant digits, a true minus sign."""
+    text = describe_value(float(value)) if isinstance(value, (int, float)) else str(value)
+    return text.replace("-", "\u2212") if text.startswith("-") else text
+
+
+# Report order: the verdicts a reader must see first lead (differs, inconclusive).
+_PAPER_COLUMNS = ("differs", "inconclusive", "reproduced", "not comparable")
+_CHECK_COLUMNS = ("fails", "inconclusive", "holds")
+# Coloured badges (sphinx-design's roles, loaded by Jupyter Book): filled for paper
+# claims, outlined for checks, so that a check never looks like a reproduction.
+_PAPER_BADGE = {"reproduced": "bdg-success", "differs": "bdg-danger",
+                "inconclusive": "bdg-warning", "not comparable": "bdg-muted"}
+_CHECK_BADGE = {"holds": "bdg-success-line", "fails": "bdg-danger-line",
+                "inconclusive": "bdg-warning-line"}
 
 
 def claim_role(record: dict) -> str:
@@ -172,25 +185,124 @@ def claim_role(record: dict) -> str:
     return record.get("role") or "paper"
 
 
+def verdict_badge(record: dict) -> str:
+    """The record's verdict as a coloured MyST badge, e.g. ``{bdg-danger}`differs```.
+
+    >>> verdict_badge({"verdict": "differs"}), verdict_badge({"verdict": "holds", "role": "check"})
+    ('{bdg-danger}`differs`', '{bdg-success-line}`holds`')
+    """
+    verdict = str(record.get("verdict"))
+    badges = _PAPER_BADGE if claim_role(record) == "paper" else _CHECK_BADGE
+    return f"{{{badges.get(verdict, 'bdg-muted')}}}`{verdict}`"
+
+
+def threshold_text(record: dict) -> str:
+    """The acceptance rule of a claim in one cell: what ``measured`` must satisfy.
+
+    >>> threshold_text({"kind": "abs", "paper": -1.0, "tolerance": 0.5})
+    '\u22121 \xb1 0.5'
+    >>> threshold_text({"kind": "at_least", "paper": 0.342, "tolerance": None})
+    '\u2265 0.342'
+    >>> threshold_text({"kind": "range", "paper": [0.2, 0.4]})
+    'in [0.2, 0.4]'
+    >>> threshold_text({"kind": "rel", "paper": 2.0, "tolerance": 0.1})
+    '2 \xb1 10 %'
+    >>> threshold_text({"kind": "holds", "paper": "qualitative"})
+    'holds'
+    """
+    kind, paper, tol = record.get("kind"), record.get("paper"), record.get("tolerance")
+    if paper is None or paper == "not available":
+        return "none (no value in the paper)"
+    if kind == "holds":
+        return "holds"
+    slack = tol is not None and float(tol) != 0.0
+    if kind == "abs":
+        return f"{_number(paper)} \u00b1 {_number(tol)}"
+    if kind == "rel":
+        return f"{_number(paper)} \u00b1 {100 * float(tol):.3g} %"
+    if kind == "range" and isinstance(paper, (list, tuple)) and len(paper) == 2:
+        return f"in [{_number(paper[0])}, {_number(paper[1])}]"
+    if kind == "at_least":
+        return f"\u2265 {_number(paper)}" + (f" \u2212 {_number(tol)}" if slack else "")
+    if kind == "at_most":
+        return f"\u2264 {_number(paper)}" + (f" + {_number(tol)}" if slack else "")
+    return f"{kind} {_cell(paper)}"
+
+
+def measured_text(record: dict) -> str:
+    """The measured value with its interval next to it: ``0.37 [0.33, 0.41]``.
+
+    >>> measured_text({"measured": 0.37, "interval": [0.33, 0.41]})
+    '0.37 [0.33, 0.41]'
+    >>> measured_text({"measured": True, "interval": None})
+    'holds'
+    """
+    measured = record.get("measured")
+    text = _number(measured) if isinstance(measured, (int, float)) and not isinstance(
+        measured, bool) else _cell(measured)
+    interval = record.get("interval")
+    if interval is not None:
+        text += f" [{_number(interval[0])}, {_number(interval[1])}]"
+    return text
+
+
+def _order(claims: list[dict], columns: tuple[str, ...]) -> list[dict]:
+    rank = {v: i for i, v in enumerate(columns)}
+    return sorted(claims, key=lambda c: rank.get(c.get("verdict"), len(rank)))  # stable
+
+
+def _claim_rows(claims: list[dict], role: str) -> list[str]:
+    what, source = ("Claim", "Paper's place") if role == "paper" else ("Check", "Source")
+    rows = [f"| Verdict | {what} | Statement | {source} | Threshold | Measured [interval] "
+            "| Evidence |", "|---|---|---|---|---|---|---|"]
+    for c in _order(claims, _PAPER_COLUMNS if role == "paper" else _CHECK_COLUMNS):
+        evidence = " ".join(f"{{numref}}`{e}`" for e in c.get("evidence") or []) or "\u2014"
+        rows.append(
+            f"| {verdict_badge(c)} | {{ref}}`{c['id']} <{c['id']}>` | "
+            f"{_cell(c.get('statement', ''))} | {_cell(c.get('reference', ''))} | "
+            f"{threshold_text(c)} | {measured_text(c)} | {evidence} |")
+    return rows
+
+
+def _count_phrase(counts: Counter, role: str, columns: tuple[str, ...]) -> str:
+    """E.g. "3 paper claims (1 differs, 2 reproduced)"."""
+    total = sum(counts[(role, v)] for v in columns)
+    noun = ("paper claim" if role == "paper" else "check") + ("" if total == 1 else "s")
+    parts = ", ".join(f"{counts[(role, v)]} {v}" for v in columns if counts[(role, v)])
+    return f"{total} {noun}" + (f" ({parts})" if parts else "")
+
+
 def reproduction_report(project) -> str:
+    """The report page: counts, then every chapter's paper claims, then the checks.
+
+    Paper claims and checks are counted and tabled apart; in each table the verdicts a
+    reader must see first lead (differs, inconclusive; fails); each row links to the
+    claim's box in its chapter and to the figures and tables of its evidence.
+    """
     lines = [HEADER, "# Reproduction report", "",
              "Every checked statement of every chapter, generated from the records the "
-             "chapters saved. A *paper claim* is a statement of the paper: *reproduced*, our "
-             "measurement agrees with the paper within the stated tolerance (or the stated "
-             "property holds); *differs*, it does not; *inconclusive*, the measurement's "
-             "interval straddles the threshold; *not comparable*, the paper gives no value we "
-             "can compare with. A *check* is our own statement (a target, an implementation "
-             "check, a statement of another source): it *holds* or *fails*, and is never "
-             "counted as a reproduction.", ""]
+             "chapters saved. A *paper claim* is a statement of the paper, with its place in "
+             "the paper and a threshold fixed in the chapter before the run: "
+             "{bdg-success}`reproduced`, our measurement (its interval, where it has one) "
+             "lies within the threshold (or the stated property holds); "
+             "{bdg-danger}`differs`, it lies outside; {bdg-warning}`inconclusive`, the "
+             "measurement's interval straddles the threshold; {bdg-muted}`not "
+             "comparable`, the paper gives no value we can compare with. A *check* is our "
+             "own statement (a target, an implementation check, a statement of another "
+             "source): it {bdg-success-line}`holds` or {bdg-danger-line}`fails`, and is "
+             "never counted as a reproduction.", ""]
     head = ["Chapter", *(f"paper: {c}" for c in _PAPER_COLUMNS),
             *(f"check: {c}" for c in _CHECK_COLUMNS), "state"]
     summary = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    details: list[str] = []
+    papers = ["## Paper claims", ""]
+    checks = ["## Checks", "",
+              "Our own statements: targets, implementation checks, statements of other "
+              "sources. None of them counts as a reproduction of the paper.", ""]
     totals: Counter = Counter()
     for name in project.toc_chapters():
         folder = project.assets(name) / "claims"
         claims = _load_sidecars(folder, name, "claim") if folder.exists() else []
-        stale, _ = _run_state(project, name)
+        stale, record = _run_state(project, name)
         counts = Counter((claim_role(c), c.get("verdict")) for c in claims)
         totals.update(counts)
         title = chapter_title(project, name)
@@ -198,30 +310,30 @@ def reproduction_report(project) -> str:
         cells += [str(counts[("check", v)]) for v in _CHECK_COLUMNS]
         summary.append(f"| {title} | " + " | ".join(cells)
                        + f" | {'STALE' if stale else 'fresh'} |")
-        details += [f"## {title}", ""]
-        if not claims:
-            details += ["No claims recorded for this chapter.", ""]
-            continue
-        details += ["| Claim | Kind | Statement | Paper | Measured | Tolerance | Verdict |",
-                    "|---|---|---|---|---|---|---|"]
-        for c in claims:
-            tol = "" if c.get("tolerance") is None else _cell(c["tolerance"])
-            measured = _cell(c.get("measured"))
-            if c.get("interval") is not None:
-                measured += f" {_cell(tuple(c['interval']))}"
-            evidence = " ".join(f"{{numref}}`{e}`" for e in c.get("evidence") or [])
-            details.append(
-                f"| {{ref}}`{c['id']} <{c['id']}>` {evidence} | {claim_role(c)} | "
-                f"{_cell(c.get('statement', ''))} | "
-                f"{_cell(c.get('paper') if c.get('paper') is not None else 'not available')}"
-                f" ({_cell(c.get('reference', ''))}) | {measured} | {tol} | "
-                f"**{c.get('verdict')}** |"
-            )
-        details.append("")
+        stale_note = []
+        if stale:
+            why = record.get("error", "not executed") if record else "not executed in this build"
+            stale_note = ["```{danger} Stale chapter",
+                          f"The last run of this chapter failed or never happened ({why}). "
+                          "These records are from its last good run.", "```", ""]
+        for role, out, heading in (("paper", papers, f"### {title}"),
+                                   ("check", checks, f"### {title}: checks")):
+            mine = [c for c in claims if claim_role(c) == role]
+            out += [heading, "", *stale_note]
+            if not mine:
+                out += [f"No {'paper claims' if role == 'paper' else 'checks'} recorded "
+                        "for this chapter.", ""]
+                continue
+            columns = _PAPER_COLUMNS if role == "paper" else _CHECK_COLUMNS
+            out += [f"{_count_phrase(counts, role, columns)}.", "",
+                    *_claim_rows(mine, role), ""]
     cells = [str(totals[("paper", v)]) for v in _PAPER_COLUMNS]
     cells += [str(totals[("check", v)]) for v in _CHECK_COLUMNS]
     summary.append("| **All** | " + " | ".join(cells) + " | |")
-    return "\n".join(lines + summary + [""] + details) + "\n"
+    headline = [f"In all: {_count_phrase(totals, 'paper', _PAPER_COLUMNS)}; and "
+                f"{_count_phrase(totals, 'check', _CHECK_COLUMNS)}, not counted as "
+                "reproductions.", ""]
+    return "\n".join(lines + headline + summary + [""] + papers + checks) + "\n"
 
 
 def write_generated_pages(project) -> None:
