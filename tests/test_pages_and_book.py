@@ -231,3 +231,63 @@ def test_check_html_without_a_built_book_fails(demo_project):
     assert proc.returncode == 2
     assert "no built book" in proc.stdout
 
+
+
+def _prose_markdown(text: str) -> str:
+    """A chapter's Markdown with the bodies of its directives (prf:definition,
+    admonition, ...) unwrapped, so that markdown-it parses them as MyST does inside the
+    directive; code cells stay fenced (code, not prose)."""
+    out, fence = [], None
+    for line in text.split("\n"):
+        m = re.match(r"^(`{3,}|:{3,})\s*(\{[^}]+\})?", line)
+        if fence is None and m:
+            fence = (m.group(1), m.group(2) or "")
+            if fence[1] in ("", "{code-cell}"):
+                out.append(line)
+            continue
+        if fence is not None and line.strip() == fence[0]:
+            if fence[1] in ("", "{code-cell}"):
+                out.append(line)
+            fence = None
+            continue
+        if fence is not None and fence[1] not in ("", "{code-cell}") and re.match(
+                r"^:\w[\w-]*:", line):
+            continue  # a directive option (:label:, :class:)
+        out.append(line)
+    return "\n".join(out)
+
+
+def _render_myst(text: str) -> str:
+    from markdown_it.renderer import RendererHTML
+    from myst_parser.config.main import MdParserConfig
+    from myst_parser.parsers.mdit import create_md_parser
+
+    config = yaml.safe_load((REPO / "_config.yml").read_text())
+    extensions = set(config["parse"]["myst_enable_extensions"]) - {"linkify"}
+    md = create_md_parser(MdParserConfig(enable_extensions=extensions), RendererHTML)
+    return md.render(_prose_markdown(text))
+
+
+GLUED = ("```{prf:definition} D\n:label: d\n\nThe formula\n$$\nz = \\sqrt{x}\n$$\nthe slice "
+         "of $W_O$.\n```\n")
+
+
+def test_glued_display_maths_is_found_in_a_source():
+    """The static twin of the browser check: the pattern that broke Definitions 2.1, 3.1
+    and 3.2 (a $$ line right after text does not start a display block) is caught."""
+    from companion.htmlcheck import raw_latex_in_html
+
+    assert raw_latex_in_html(_render_myst(GLUED))
+    fixed = GLUED.replace("The formula\n$$", "The formula\n\n$$").replace("$$\nthe", "$$\n\nthe")
+    assert raw_latex_in_html(_render_myst(fixed)) == []
+
+
+@pytest.mark.parametrize("source", sorted((REPO / "chapters").glob("*.md"))
+                         + [REPO / "tests" / "fixtures" / "chapters" / "demo.md"],
+                         ids=lambda p: p.stem)
+def test_chapter_maths_parses(source):
+    """No chapter's prose (definitions included) leaves LaTeX unparsed; runs without a
+    browser or a build."""
+    from companion.htmlcheck import raw_latex_in_html
+
+    assert raw_latex_in_html(_render_myst(source.read_text())) == []
