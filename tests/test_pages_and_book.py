@@ -50,7 +50,8 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     report = pages.reproduction_report(p)
     # Counts: paper claims (differs, inconclusive, reproduced, not comparable), then checks
     # (fails, inconclusive, holds), never added together.
-    assert "| Demo chapter | 0 | 0 | 1 | 1 | 0 | 0 | 1 | fresh |" in report
+    assert ("| Demo chapter | **2** {bdg-success}`1 reproduced` {bdg-muted}`1 not comparable` "
+            "| **1** {bdg-success-line}`1 holds` | fresh |") in report
     assert ("In all: 2 paper claims (1 reproduced, 1 not comparable); and 1 check "
             "(1 holds), not counted as reproductions.") in report
     paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
@@ -58,16 +59,16 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     # threshold in one cell, the measured value with its interval, a link to its evidence.
     row = next(r for r in paper_part.splitlines() if "demo-mean-small <" in r)
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[:5] == ["{bdg-success}`reproduced`", "{ref}`demo-mean-small <demo-mean-small>`",
-                         "The sample mean is within 1 of zero.", "Sec. 1", "0 \u00b1 1"]
-    assert re.fullmatch(r"\u2212?[0-9.]+ \[\u2212?[0-9.]+, \u2212?[0-9.]+\]", cells[5]), cells[5]
-    assert cells[6] == "{numref}`demo-summary`"
+    assert cells[:4] == ["{bdg-success}`reproduced`", "{ref}`demo-mean-small <demo-mean-small>`",
+                         "The sample mean is within 1 of zero. (Sec. 1)", "0 \u00b1 1"]
+    assert re.fullmatch(r"\u2212?[0-9.]+ \[\u2212?[0-9.]+, \u2212?[0-9.]+\]", cells[4]), cells[4]
+    assert cells[5] == "{numref}`demo-summary`"
     assert ("{bdg-muted}`not comparable` | {ref}`demo-not-available <demo-not-available>`"
             in paper_part)
     assert paper_part.index("demo-mean-small <") < paper_part.index("demo-not-available <")
     assert "demo-drew-n-values" not in paper_part, "a check is not listed with the paper claims"
     assert ("| {bdg-success-line}`holds` | {ref}`demo-drew-n-values <demo-drew-n-values>` | "
-            "The chapter drew n values. | this chapter | holds | holds |") in check_part
+            "The chapter drew n values. (this chapter) | holds | holds |") in check_part
     assert "| Tolerance |" not in report and "|  |" not in report, "no empty column"
 
 
@@ -97,7 +98,9 @@ def test_report_leads_with_differs_and_inconclusive_and_tables_checks_apart(demo
     for i, r in enumerate(records):
         _write_claim(demo_project, {**r, "created": f"2026-01-01T00:00:0{i}"})
     report = pages.reproduction_report(demo_project)
-    assert "| Demo chapter | 1 | 1 | 2 | 0 | 1 | 0 | 1 | STALE |" in report
+    assert ("| Demo chapter | **4** {bdg-danger}`1 differs` {bdg-warning}`1 inconclusive` "
+            "{bdg-success}`2 reproduced` | **2** {bdg-danger-line}`1 fails` "
+            "{bdg-success-line}`1 holds` | STALE |") in report
     paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
     order = [m for m in re.findall(r"\{ref\}`(demo-[a-f]) <", paper_part)]
     assert order == ["demo-b", "demo-c", "demo-a", "demo-f"], "differs, inconclusive first"

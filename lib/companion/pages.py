@@ -252,14 +252,14 @@ def _order(claims: list[dict], columns: tuple[str, ...]) -> list[dict]:
 
 
 def _claim_rows(claims: list[dict], role: str) -> list[str]:
-    what, source = ("Claim", "Paper's place") if role == "paper" else ("Check", "Source")
-    rows = [f"| Verdict | {what} | Statement | {source} | Threshold | Measured [interval] "
-            "| Evidence |", "|---|---|---|---|---|---|---|"]
+    what, source = ("Claim", "paper's place") if role == "paper" else ("Check", "source")
+    rows = [f"| Verdict | {what} | Statement ({source}) | Threshold | Measured [interval] "
+            "| Evidence |", "|---|---|---|---|---|---|"]
     for c in _order(claims, _PAPER_COLUMNS if role == "paper" else _CHECK_COLUMNS):
         evidence = " ".join(f"{{numref}}`{e}`" for e in c.get("evidence") or []) or "\u2014"
         rows.append(
             f"| {verdict_badge(c)} | {{ref}}`{c['id']} <{c['id']}>` | "
-            f"{_cell(c.get('statement', ''))} | {_cell(c.get('reference', ''))} | "
+            f"{_cell(c.get('statement', ''))} ({_cell(c.get('reference', ''))}) | "
             f"{threshold_text(c)} | {measured_text(c)} | {evidence} |")
     return rows
 
@@ -270,6 +270,15 @@ def _count_phrase(counts: Counter, role: str, columns: tuple[str, ...]) -> str:
     noun = ("paper claim" if role == "paper" else "check") + ("" if total == 1 else "s")
     parts = ", ".join(f"{counts[(role, v)]} {v}" for v in columns if counts[(role, v)])
     return f"{total} {noun}" + (f" ({parts})" if parts else "")
+
+
+def _count_badges(counts: Counter, role: str) -> str:
+    """The total, then one coloured badge per verdict present: "3 {bdg-danger}`1 differs` ..."."""
+    columns, badges = (_PAPER_COLUMNS, _PAPER_BADGE) if role == "paper" else (
+        _CHECK_COLUMNS, _CHECK_BADGE)
+    total = sum(counts[(role, v)] for v in columns)
+    return " ".join([f"**{total}**"] + [f"{{{badges[v]}}}`{counts[(role, v)]} {v}`"
+                                        for v in columns if counts[(role, v)]])
 
 
 def reproduction_report(project) -> str:
@@ -291,9 +300,7 @@ def reproduction_report(project) -> str:
              "own statement (a target, an implementation check, a statement of another "
              "source): it {bdg-success-line}`holds` or {bdg-danger-line}`fails`, and is "
              "never counted as a reproduction.", ""]
-    head = ["Chapter", *(f"paper: {c}" for c in _PAPER_COLUMNS),
-            *(f"check: {c}" for c in _CHECK_COLUMNS), "state"]
-    summary = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    summary = ["| Chapter | Paper claims | Checks | Run |", "|---|---|---|---|"]
     papers = ["## Paper claims", ""]
     checks = ["## Checks", "",
               "Our own statements: targets, implementation checks, statements of other "
@@ -306,10 +313,8 @@ def reproduction_report(project) -> str:
         counts = Counter((claim_role(c), c.get("verdict")) for c in claims)
         totals.update(counts)
         title = chapter_title(project, name)
-        cells = [str(counts[("paper", v)]) for v in _PAPER_COLUMNS]
-        cells += [str(counts[("check", v)]) for v in _CHECK_COLUMNS]
-        summary.append(f"| {title} | " + " | ".join(cells)
-                       + f" | {'STALE' if stale else 'fresh'} |")
+        summary.append(f"| {title} | {_count_badges(counts, 'paper')} | "
+                       f"{_count_badges(counts, 'check')} | {'STALE' if stale else 'fresh'} |")
         stale_note = []
         if stale:
             why = record.get("error", "not executed") if record else "not executed in this build"
@@ -327,9 +332,8 @@ def reproduction_report(project) -> str:
             columns = _PAPER_COLUMNS if role == "paper" else _CHECK_COLUMNS
             out += [f"{_count_phrase(counts, role, columns)}.", "",
                     *_claim_rows(mine, role), ""]
-    cells = [str(totals[("paper", v)]) for v in _PAPER_COLUMNS]
-    cells += [str(totals[("check", v)]) for v in _CHECK_COLUMNS]
-    summary.append("| **All** | " + " | ".join(cells) + " | |")
+    summary.append(f"| **All** | {_count_badges(totals, 'paper')} | "
+                   f"{_count_badges(totals, 'check')} | |")
     headline = [f"In all: {_count_phrase(totals, 'paper', _PAPER_COLUMNS)}; and "
                 f"{_count_phrase(totals, 'check', _CHECK_COLUMNS)}, not counted as "
                 "reproductions.", ""]
