@@ -379,8 +379,10 @@ def planted_features(n_windows=6, n=40, seed=0, layer=2):
 
 def test_tune_finds_the_planted_layer_and_stacked_predictions_match():
     feats, gold = planted_features()
+    threads = torch.get_num_threads()
     methods = se.tune(feats, gold, final_layers=[1, 2], penalties=[1.0, 4.0, 16.0],
                       widths=(4,), cutoffs=(0.0,))
+    assert torch.get_num_threads() == threads  # the loop-thread setting is restored
     by = {m.name: m for m in methods}
     assert 2 in by["head outputs, tuned"].params["layers"]
     assert by["head outputs, tuned"].params["dev_f1"] == 1.0
