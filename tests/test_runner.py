@@ -252,6 +252,67 @@ def test_interrupt_leaves_published_outputs_byte_identical(interrupt_project, tm
         _wait_for(lambda: _pid_gone(kernel), "the kernel ended")
 
 
+# What lost a Ctrl-C on a loaded machine: a SIGINT that arrives while torch initialises its
+# C extension raises KeyboardInterrupt inside the NumPy import torch makes from C, and
+# torch clears it (a failed NumPy import becomes a warning). The import runs long on a
+# busy machine, so "at once" often landed there. This prelude reproduces that moment
+# deterministically: the first `import torch` sends SIGINT and swallows the exception
+# exactly as torch does, then `python -m companion run` goes on as usual.
+_SWALLOWING_TORCH_IMPORT = """
+import builtins, os, runpy, signal, sys
+real_import = builtins.__import__
+fired = []
+def swallowing_import(name, *args, **kwargs):
+    if name == "torch" and not fired:
+        fired.append(True)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):  # the handler runs between bytecodes
+                pass
+        except KeyboardInterrupt:
+            pass
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = swallowing_import
+sys.argv = ["companion", *sys.argv[1:]]
+runpy.run_module("companion", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_interrupt_swallowed_during_torch_import_is_not_lost(interrupt_project):
+    p = interrupt_project
+    before = _published(p)
+    proc = subprocess.run([sys.executable, "-c", _SWALLOWING_TORCH_IMPORT, "run", "demo",
+                           "--root", str(p.root), "--scale", "smoke", "--force"],
+                          capture_output=True, text=True, timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 130, f"an interrupt was lost:\n{proc.stdout}\n{proc.stderr}"
+    assert "[start]" not in proc.stdout, "nothing may start after an interrupt"
+    _assert_unchanged(p, before, proc)
+
+
+def test_nested_guard_raises_a_signal_recorded_before_it():
+    """Inside `python -m companion` the handlers are installed before any import; a signal
+    recorded then (even if its exception was swallowed) stops the first guard at once."""
+    from companion import interrupts
+
+    previous = interrupts.install_interrupt_handlers()
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+        except KeyboardInterrupt:
+            pass  # swallowed, as torch's C extension does
+        assert interrupts.interrupted_signal() == signal.SIGINT
+        with pytest.raises(runner.RunInterrupted) as info:
+            with runner.interrupt_guard():
+                raise AssertionError("the body must not run")
+        assert info.value.exit_code == 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        interrupts._INTERRUPT.signum = None
+
+
 def test_interrupt_during_publishing_publishes_everything(interrupt_project, tmp_path):
     """A signal while publishing is taken once publishing has finished: all new, exit 130."""
     p = interrupt_project

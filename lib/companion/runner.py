@@ -71,6 +71,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from companion import provenance as prov
+from companion.interrupts import (  # noqa: F401 - re-exported: the runner's interrupt API
+    INTERRUPT_SIGNALS,
+    _INTERRUPT,
+    RunInterrupted,
+    _on_interrupt_signal,
+    install_interrupt_handlers,
+    interrupt_guard,
+    raise_if_interrupted,
+    signals_deferred,
+)
 
 REQUIRED_PARAMETERS = ("scale", "seed", "device")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -80,20 +90,10 @@ BOX_TAG = "companion-run-box"
 # they exist to stop a hung run, not to police a slow machine.
 CELL_TIMEOUT_SECONDS = {"smoke": 600.0, "ci": 1800.0, "paper": 86400.0}
 ENV_TEST_PAUSE_AT = "COMPANION_TEST_PAUSE_AT"
-INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class ChapterError(Exception):
     """A chapter could not be run: bad parameters, missing chapter, failed cell."""
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """A run was stopped by SIGINT or SIGTERM; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 # --------------------------------------------------------------------------- project
@@ -428,84 +428,6 @@ def _chapter_cell_number(executed_index: int, parameters_cell: int) -> int:
     papermill inserts one 'injected-parameters' cell after the parameters cell.
     """
     return executed_index + 1 - (1 if executed_index > parameters_cell else 0)
-
-
-# --------------------------------------------------------------------------- interrupts
-class _InterruptState:
-    """The first SIGINT/SIGTERM a run received, and whether it may raise right now."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.deferring = 0  # > 0 inside signals_deferred(): record, do not raise
-
-
-_INTERRUPT = _InterruptState()
-
-
-def _on_interrupt_signal(signum: int, _frame) -> None:
-    if _INTERRUPT.signum is None:
-        _INTERRUPT.signum = signum
-    if not _INTERRUPT.deferring:
-        raise RunInterrupted(signum)
-
-
-def raise_if_interrupted() -> None:
-    """Raise :class:`RunInterrupted` if a signal has been recorded (even if swallowed)."""
-    if _INTERRUPT.signum is not None:
-        raise RunInterrupted(_INTERRUPT.signum)
-
-
-def install_interrupt_handlers() -> dict[int, Any]:
-    """Route SIGINT and SIGTERM to the interrupt record; returns the previous handlers.
-
-    Only the main thread can set handlers; elsewhere nothing is installed (and {} returned).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, _on_interrupt_signal) for sig in INTERRUPT_SIGNALS}
-
-
-@contextlib.contextmanager
-def interrupt_guard():
-    """Make an interrupt a recorded state that no library can swallow.
-
-    A plain Ctrl-C is a KeyboardInterrupt raised inside whatever frame the main thread
-    happens to run, often deep in nbclient, jupyter_client or asyncio, whose clean-up
-    paths (re-running the event loop to shut the kernel down, retrying interrupted
-    calls) can replace or lose it; and SIGTERM would kill the process without clean-up.
-    Here both signals set a record first and then raise :class:`RunInterrupted`; the
-    notebook runs in a worker thread (:func:`_execute_notebook`), so the main thread,
-    where Python runs signal handlers, only waits in our own code when one arrives.
-    The record is checked again before publishing and when the guard exits, so even a
-    swallowed exception cannot turn an interrupted run into a success.
-    """
-    previous = install_interrupt_handlers()
-    if previous.get(signal.SIGINT) is not _on_interrupt_signal:  # not nested: a fresh record
-        _INTERRUPT.signum = None
-    try:
-        yield
-        raise_if_interrupted()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Run the body whole: a signal arriving inside is recorded and raised at the end.
-
-    Used for publishing, marking stale and clean-up, which must not stop half-way (a
-    body that starts a change should call :func:`raise_if_interrupted` first). A
-    deferred Python handler rather than ``pthread_sigmask``: masking the main thread
-    would only move delivery to another thread, whose C handler still schedules the
-    Python handler on the main thread.
-    """
-    _INTERRUPT.deferring += 1
-    try:
-        yield
-    finally:
-        _INTERRUPT.deferring -= 1
-    raise_if_interrupted()
 
 
 def _test_pause(point: str, stop: threading.Event | None = None) -> None:
