@@ -704,20 +704,11 @@ def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
     -------
     :class:`PowerLawFit`. Complexity O(n_boot k S).
     """
-    def as_array(name, a):  # torch tensors (any device) or array-likes, kept in float64
-        if isinstance(a, torch.Tensor):
-            check_tensor(name, a)
-            a = a.detach().to("cpu", torch.float64).numpy()
-        try:
-            return np.asarray(a, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{name}: expected numbers, got {describe(a)}") from exc
-
     level = check_number("level", level, minimum=0.0, maximum=1.0, min_open=True,
                          max_open=True)
     seed = check_int("seed", seed, minimum=0)
-    h = as_array("H", H).reshape(-1)
-    v = as_array("values", values)
+    h = _as_float_array("H", H).reshape(-1)
+    v = _as_float_array("values", values)
     if h.size < 2 or np.any(h <= 0) or np.unique(h).size != h.size:
         raise ValueError(f"H: expected >= 2 distinct positive values, got {h.tolist()}")
     if v.ndim not in (1, 2) or v.shape[0] != h.size:
@@ -745,6 +736,7 @@ def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
 
 
 def _as_float_array(name, a) -> np.ndarray:
+    """Torch tensors (any device) or array-likes as a float64 numpy array, else TypeError."""
     if isinstance(a, torch.Tensor):
         check_tensor(name, a)
         a = a.detach().to("cpu", torch.float64).numpy()
