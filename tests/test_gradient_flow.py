@@ -443,7 +443,9 @@ def test_loglog_order_recovers_power_laws():
 def test_bootstrap_over_paths_against_explicit_resampling():
     rng = np.random.default_rng(3)
     a, b = rng.normal(1.0, 0.3, size=(4, 12)), rng.normal(2.0, 0.1, size=12)
-    stat = lambda u, v: u.mean() / v.mean()
+    def stat(u, v):
+        return u.mean() / v.mean()
+
     lo, hi = gf.bootstrap_over_paths(stat, a, b, n_boot=500, level=0.9, seed=5)
     # The same replicates by hand: one index draw per replicate, shared by both arrays.
     ref_rng = np.random.default_rng(5)

@@ -159,8 +159,9 @@ SAFETY_DEADLINE = 300.0
 
 def _published(p) -> dict[str, bytes]:
     """Every published file (notebook, assets, run record, log) and its bytes."""
+    skip = ("locks", ".staging")
     return {str(f.relative_to(p.generated)): f.read_bytes() for f in p.generated.rglob("*")
-            if f.is_file() and not str(f.relative_to(p.generated)).startswith(("locks", ".staging"))}
+            if f.is_file() and not str(f.relative_to(p.generated)).startswith(skip)}
 
 
 def _leftovers(p) -> list[str]:
@@ -187,13 +188,24 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
+def _default_signal_dispositions() -> None:
+    # A command started in the background of a non-interactive shell (`make test &`, a CI
+    # script) inherits SIGINT *ignored*, and so do its children: a signal that reaches
+    # such a process before it installs its own handler is discarded by the kernel, as
+    # POSIX asks. A terminal's Ctrl-C always reaches a run whose SIGINT is in its default
+    # state, which is what these tests stand for.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _start_run(p, *args, env_extra=None):
-    """``python -m companion run demo`` in its own session (so killpg is a terminal Ctrl-C)."""
+    """``python -m companion run demo`` in its own session (so killpg is a terminal Ctrl-C),
+    with SIGINT and SIGTERM in their default state whatever this test process inherited."""
     env = {**os.environ, **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "companion", "run", "demo", "--root",
                              str(p.root), "--scale", "smoke", "--force", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signal_dispositions)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,12 @@ first *record* the signal, then raise; code that must not be fooled checks the r
 anything heavy (see ``companion/__main__.py``), and :mod:`companion.runner` checks the
 record before it publishes anything.
 
+One window no process can close: a program started with SIGINT *ignored* (what a
+non-interactive shell does to a background command, what ``nohup`` and some CI runners
+pass on) has every SIGINT discarded by the kernel until a handler is installed, i.e.
+during the interpreter's first few hundred milliseconds. From then on our handler counts,
+whatever was inherited.
+
 This module imports nothing heavy, so that it can be installed first.
 """
 from __future__ import annotations
