@@ -23,6 +23,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_device",
+    "check_str_sequence",
     "check_int",
     "check_number",
     "check_tensor",
@@ -200,6 +201,25 @@ def check_choice(name: str, value, choices: Iterable):
     if not known or isinstance(value, bool) and not any(c is value for c in choices):
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
+
+
+def check_str_sequence(name: str, value) -> list[str]:
+    """``value`` as a list of str: any iterable of str, but not one bare str.
+
+    >>> check_str_sequence("texts", ("ab", "c"))
+    ['ab', 'c']
+    >>> check_str_sequence("texts", "abc")
+    Traceback (most recent call last):
+    ...
+    TypeError: texts: expected a sequence of str, got a single str
+    """
+    if isinstance(value, str):
+        raise TypeError(f"{name}: expected a sequence of str, got a single str")
+    items = list(value)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"{name}[{i}]: expected a str, got {describe(item)}")
+    return items
 
 
 def check_device(name: str, device) -> torch.device | None:

@@ -55,7 +55,7 @@ from collections.abc import Sequence
 
 import torch
 
-from companion._validate import check_int, describe
+from companion._validate import check_int, check_str_sequence
 
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MIN, MAX, MED, SUM_MOD)
@@ -305,12 +305,7 @@ def encode(
         int64 tensor of shape ``[len(sources), max_length]`` on ``device`` (CPU if None).
     """
     max_length = check_int("max_length", max_length, minimum=1)
-    if isinstance(sources, str):
-        raise TypeError("sources: expected a sequence of str, got a single str")
-    sources = list(sources)
-    for i, src in enumerate(sources):
-        if not isinstance(src, str):
-            raise TypeError(f"sources[{i}]: expected a str, got {describe(src)}")
+    sources = check_str_sequence("sources", sources)
     vocab = vocabulary(brackets=brackets)
     oov = len(vocab) + 1
     out = torch.zeros(len(sources), max_length, dtype=torch.long)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from companion._validate import check_int, describe
+from companion._validate import check_int, check_str_sequence
 
 GREY_WEIGHTS = (0.2989, 0.5870, 0.1140)  # tf.image.rgb_to_grayscale
 
@@ -109,12 +109,7 @@ def load_cifar10_grey(root: str | Path, *, split: str = "train"):
 def bytes_to_ids(texts, *, max_length: int) -> torch.Tensor:
     """UTF-8 byte ids (byte + 1; 0 = padding), truncated to ``max_length``."""
     max_length = check_int("max_length", max_length, minimum=1)
-    if isinstance(texts, str):
-        raise TypeError("texts: expected a sequence of str, got a single str")
-    texts = list(texts)
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{i}]: expected a str, got {describe(text)}")
+    texts = check_str_sequence("texts", texts)
     out = torch.zeros(len(texts), max_length, dtype=torch.long)
     for i, text in enumerate(texts):
         raw = np.frombuffer(text.encode("utf-8")[:max_length], dtype=np.uint8)
