@@ -303,3 +303,41 @@ def test_run_jobs_in_worker_processes_matches_one_process():
         for a, b in zip(one[key].model.state_dict().values(),
                         two[key].model.state_dict().values()):
             assert torch.equal(a, b)
+
+
+def test_run_jobs_under_torchrun_two_processes_matches_one_process():
+    """nproc=2: each job trained by DDP under torchrun (gloo). Dense attention without
+    dropout: the same losses and test predictions as one process (float rounding aside).
+    SBM attention: the graphs are drawn per process, so only shapes and ranges are
+    comparable."""
+    from companion.lra.experiments import TrainJob, run_jobs
+
+    pairs = listops.generate(48, seed=0, min_length=6, max_length=20, max_depth=2)
+    tokens, labels = listops.dataset(pairs, max_length=24)
+    splits = [(tokens[:32], labels[:32]), (tokens[32:40], labels[32:40]),
+              (tokens[40:], labels[40:])]
+    jobs = [TrainJob(task="lo", attention=att, seed=3, lam=1e-4, steps=3,
+                     vocab=listops.vocab_size(), classes=10, pad=0, clusters=4, dropout=0.0,
+                     lr=1e-3, batch=8, eval_batch=8) for att in ("dense", "sbm")]
+    one = run_jobs(jobs, {"lo": splits}, device="cpu", workers=1, nproc=1)
+    two = run_jobs(jobs, {"lo": splits}, device="cpu", workers=1, nproc=2)
+    assert list(two) == [j.key for j in jobs]
+    dense = jobs[0].key
+    torch.testing.assert_close(torch.tensor(two[dense].result.losses),
+                               torch.tensor(one[dense].result.losses), rtol=1e-5, atol=1e-6)
+    assert (two[dense].correct == one[dense].correct).all()
+    for a, b in zip(one[dense].model.state_dict().values(),
+                    two[dense].model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    sbm = jobs[1].key
+    assert two[sbm].correct.shape == (8,) and len(two[sbm].result.losses) == 3
+    assert ((two[sbm].density > 0) & (two[sbm].density <= 1)).all()
+
+
+def test_run_jobs_nproc_must_divide_the_batch():
+    from companion.lra.experiments import TrainJob, run_jobs
+
+    job = TrainJob(task="lo", attention="dense", seed=0, lam=0.0, steps=1, vocab=20,
+                   classes=10, pad=0, clusters=4, dropout=0.0, lr=1e-3, batch=7)
+    with pytest.raises(ValueError, match="nproc.*batch"):
+        run_jobs([job], {"lo": []}, device="cpu", nproc=2)

@@ -35,7 +35,7 @@ from companion._validate import check_int
 from companion.lra.model import LRAClassifier
 from companion.lra.train import TrainConfig, TrainResult, train
 
-__all__ = ["TrainJob", "RunRecord", "run_jobs", "per_item", "bootstrap", "model_flops",
+__all__ = ["TrainJob", "RunRecord", "run_jobs", "ddp_jobs", "per_item", "bootstrap", "model_flops",
            "peak_memory", "loglog_slope", "poisson_dispersion", "spearman"]
 
 
@@ -140,16 +140,79 @@ def default_workers(n_jobs: int) -> int:
     return max(1, min(avail, n_jobs))
 
 
+def ddp_jobs(jobs, data: dict, *, device: str = "cpu", progress: bool = False) -> list:
+    """Train every job with DistributedDataParallel over the ranks of the current process
+    group (a :func:`companion.parallel.torchrun_call` target; see :func:`run_jobs`).
+
+    Every rank trains every job, in order, on its slice of each global batch
+    (:func:`companion.lra.train.train`); rank ``r`` uses GPU ``LOCAL_RANK`` when
+    ``device`` is "cuda". Returns, on every rank, ``[(job, state_dict, TrainResult,
+    correct, nll, density, seconds)]`` with CPU tensors.
+    """
+    import torch.distributed as dist
+    from torch import nn
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dev = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+           if device == "cuda" else torch.device("cpu"))
+    out = []
+    for job in jobs:
+        t0 = time.perf_counter()
+        splits = [tuple(x.to(dev) for x in split) for split in data[job.task]]
+        model = _build(job, splits[0][0].shape[1], dev)
+        net = model if world == 1 else nn.parallel.DistributedDataParallel(
+            model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        config = TrainConfig(steps=job.steps, batch_size=job.batch, lr=job.lr, lam=job.lam,
+                             eval_every=max(job.steps // 5, 1),
+                             eval_batch_size=job.eval_batch, seed=job.seed)
+        result = train(net, *splits, config, progress=progress and rank == 0)
+        # every rank evaluates the whole test split: the same numbers everywhere
+        correct, nll, dens = per_item(model, *splits[2], batch_size=job.eval_batch,
+                                      seed=job.seed + 7)
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        out.append((job, state, result, correct, nll, dens, time.perf_counter() - t0))
+    return out
+
+
 def run_jobs(jobs, data: dict, *, device, workers: int | None = None,
-             progress: bool = False) -> dict:
+             progress: bool = False, nproc: int | None = None) -> dict:
     """Train every job; returns ``{job.key: RunRecord}``.
 
     ``data`` maps a job's ``task`` to its ``[(train), (dev), (test)]`` splits of
     ``(tokens, labels)`` tensors on ``device``. With ``workers > 1`` (CPU only) the jobs
     run in that many spawned processes of one torch thread each, longest first.
+
+    With ``nproc > 1`` (default: the book's ``--nproc``, environment variable
+    ``COMPANION_NPROC``; see :mod:`companion.parallel`) every job is trained instead by
+    DistributedDataParallel under ``torchrun`` with ``nproc`` processes (gloo on CPU,
+    nccl with one GPU per process), :func:`ddp_jobs`. Each process takes ``1/nproc`` of
+    every global batch, so ``batch`` must divide by ``nproc``; without dropout the result
+    equals one process up to float rounding (the test), with dropout each process draws
+    its own masks.
     """
+    from companion.parallel import requested_nproc, torchrun_call
+
     jobs = list(jobs)
     device = torch.device(device)
+    nproc = requested_nproc() if nproc is None else check_int("nproc", nproc, minimum=1)
+    if nproc > 1 and jobs:
+        for job in jobs:
+            if job.batch % nproc:
+                raise ValueError(f"nproc: every job's batch must divide by nproc={nproc}; "
+                                 f"job {job.key} has batch {job.batch}")
+        cpu_data = {t: [tuple(x.cpu() for x in split) for split in splits]
+                    for t, splits in data.items()}
+        rows = torchrun_call("companion.lra.experiments:ddp_jobs",
+                             {"jobs": jobs, "data": cpu_data, "device": device.type,
+                              "progress": progress}, nproc=nproc, device=device.type)
+        out = {}
+        for job, state, result, correct, nll, dens, sec in rows:
+            model = _build(job, data[job.task][0][0].shape[1], device)
+            model.load_state_dict(state)
+            model.eval()
+            out[job.key] = RunRecord(model, result, correct, nll, dens, sec)
+        return {job.key: out[job.key] for job in jobs}
     if workers is None:
         workers = 1 if device.type != "cpu" else default_workers(len(jobs))
     workers = check_int("workers", workers, minimum=1)
