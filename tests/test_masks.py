@@ -131,3 +131,42 @@ def test_bad_inputs_raise_clear_errors():
         M.validate_mask([[True]])
     with pytest.raises(ValueError, match="n: expected an int >= 2"):
         M.butterfly_mask(1)
+
+
+@pytest.mark.parametrize("n", [1, 6, 13])
+def test_and_or_combinators_match_elementwise_logic(n):
+    """and_masks / or_masks against the element-wise and / or of the predicates."""
+    preds = {"causal": lambda q, k: k <= q, "window3": lambda q, k: 0 <= q - k < 3,
+             "prefix2": lambda q, k: k < 2 or k <= q, "chain": lambda q, k: k == q - 1}
+    mods = {"causal": M.causal_mask_mod, "window3": M.sliding_window_mask_mod(3),
+            "prefix2": M.prefix_lm_mask_mod(2), "chain": M.chain_mask_mod}
+    for a, b in itertools.combinations(preds, 2):
+        both = M.materialise(M.and_masks(mods[a], mods[b]), n)
+        either = M.materialise(M.or_masks(mods[a], mods[b]), n)
+        pa, pb = preds[a], preds[b]
+        assert torch.equal(both, _from_predicate(n, lambda q, k: pa(q, k) and pb(q, k)))
+        assert torch.equal(either, _from_predicate(n, lambda q, k: pa(q, k) or pb(q, k)))
+    assert M.materialise(M.and_masks(), n).all()
+    assert not M.materialise(M.or_masks(), n).any()
+
+
+def test_mask_mod_names_carry_their_parameters():
+    assert M.sliding_window_mask_mod(64).__name__ == "sliding_window_64"
+    assert M.block_causal_mask_mod(8).__name__ == "block_causal_8"
+    assert M.prefix_lm_mask_mod(3).__name__ == "prefix_lm_3"
+    assert M.block_two_stream_mask_mod(9, 4).__name__ == "block_two_stream_9_4"
+    assert M.butterfly_mask_mod(5).__name__ == "butterfly_5"
+    assert M.and_masks(M.causal_mask_mod, M.sliding_window_mask_mod(4)).__name__ == \
+        "and(causal,sliding_window_4)"
+    with pytest.raises(TypeError, match="mods"):
+        M.and_masks(M.causal_mask_mod, 3)
+
+
+def test_materialise_broadcasts_a_mod_of_one_index():
+    """A mod that reads only q_idx gives a full (n, n) mask, not a column."""
+    def even_queries(b, h, q_idx, kv_idx):
+        return q_idx % 2 == 0
+
+    m = M.materialise(even_queries, 5)
+    assert m.shape == (5, 5) and m.is_contiguous()
+    assert torch.equal(m, _from_predicate(5, lambda q, k: q % 2 == 0))

@@ -72,6 +72,6 @@ def test_resolve_target_bad_names(target, exc):
 
 def test_bad_nproc_and_device():
     with pytest.raises(ValueError, match="nproc"):
-        torchrun_call("math:hypot", {"x": 1.0, "y": 1.0}, nproc=0)
+        torchrun_call("statistics:fmean", {"data": [1.0]}, nproc=0)
     with pytest.raises(ValueError, match="device"):
-        torchrun_call("math:hypot", {"x": 1.0, "y": 1.0}, nproc=2, device="tpu")
+        torchrun_call("statistics:fmean", {"data": [1.0]}, nproc=2, device="tpu")

@@ -5,11 +5,14 @@ Convention (used everywhere in the book): a mask is a square 2-D ``torch.bool`` 
 Residual connections are *not* part of a mask; :func:`companion.reachability.layer_adjacency`
 adds them.
 
-Every dense builder has a FlexAttention twin ``*_mask_mod`` with the signature
+Each mask is defined once, as a FlexAttention ``mask_mod`` with the signature
 ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` that
 :func:`torch.nn.attention.flex_attention.create_block_mask` accepts, in the style of
-attention-gym (one small closed-form predicate per mask). :func:`mask_mod` turns any
-dense mask into a ``mask_mod`` by table look-up.
+attention-gym: one small closed-form predicate per mask, named for what it allows
+(parametrised mods carry their parameters in ``__name__``, e.g. ``sliding_window_64``),
+composed with :func:`and_masks` / :func:`or_masks`. The dense builders (:func:`causal`,
+:func:`sliding_window`, ...) are :func:`materialise` of their mod; :func:`mask_mod` turns
+any dense mask (a random one, say) back into a ``mask_mod`` by table look-up.
 
 The two masks derived in the Hasse chapter have closed forms here as well:
 :func:`block_two_stream_mask` and :func:`butterfly_mask`. Their layouts are the ones
@@ -30,7 +33,9 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 __all__ = [
     "TwoStreamMasks",
+    "and_masks",
     "bidirectional",
+    "bidirectional_mask_mod",
     "block_causal",
     "block_causal_mask_mod",
     "block_two_stream_mask",
@@ -44,6 +49,8 @@ __all__ = [
     "chain_mask_mod",
     "dense_from_mask_mod",
     "mask_mod",
+    "materialise",
+    "or_masks",
     "prefix_lm",
     "prefix_lm_mask_mod",
     "random_mask",
@@ -86,71 +93,265 @@ def _grid(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, None], idx[None, :]
 
 
-# ------------------------------------------------------------------- dense builders
-def causal(n: int, *, device=None) -> torch.Tensor:
-    """Causal mask: query ``q`` attends keys ``k <= q`` (itself included).
+# -------------------------------------------------- mask_mods: the definitions
+# Each mask is defined once, as a mask_mod predicate on index tensors; the dense builders
+# below materialise it. A mask_mod only compares and does integer arithmetic, so it works
+# on broadcast index grids (dense), on FlexAttention's vmapped scalars, and on any device.
+def _named(mod: MaskMod, name: str) -> MaskMod:
+    mod.__name__ = mod.__qualname__ = name
+    return mod
 
-    Returns an ``(n, n)`` bool tensor. Complexity: O(n^2) memory and time.
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    """Causal: query ``q`` attends keys ``k <= q`` (itself included)."""
+    return kv_idx <= q_idx
+
+
+def chain_mask_mod(b, h, q_idx, kv_idx):
+    """Chain: query ``q`` attends only its predecessor ``q - 1`` (row 0 is empty)."""
+    return kv_idx == q_idx - 1
+
+
+def bidirectional_mask_mod(b, h, q_idx, kv_idx):
+    """Full (encoder) attention: every query attends every key."""
+    return (q_idx >= 0) & (kv_idx >= 0)
+
+
+def sliding_window_mask_mod(width: int) -> MaskMod:
+    """Causal sliding window: query ``q`` attends keys with ``0 <= q - k < width``.
+
+    >>> sliding_window_mask_mod(4).__name__
+    'sliding_window_4'
+    """
+    check_int("width", width, 1)
+
+    def sliding_window_mod(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < width)
+
+    return _named(sliding_window_mod, f"sliding_window_{width}")
+
+
+def block_causal_mask_mod(block: int) -> MaskMod:
+    """Block-causal: query ``q`` attends keys with ``k // block <= q // block``."""
+    check_int("block", block, 1)
+
+    def block_causal_mod(b, h, q_idx, kv_idx):
+        return (kv_idx // block) <= (q_idx // block)
+
+    return _named(block_causal_mod, f"block_causal_{block}")
+
+
+def prefix_lm_mask_mod(prefix: int) -> MaskMod:
+    """Prefix-LM: keys ``k < prefix`` are visible to every query; after that, causal."""
+    check_int("prefix", prefix, 0)
+
+    def prefix_lm_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (kv_idx <= q_idx)
+
+    return _named(prefix_lm_mod, f"prefix_lm_{prefix}")
+
+
+def block_two_stream_mask_mod(n: int, block: int) -> MaskMod:
+    """Block two-stream mask (sequence length ``c + n``; layout: :func:`block_two_stream_mask`).
+
+    Content rows are block-causal; the mask token for token ``t`` attends the content of
+    earlier blocks and every mask token of its own block, never its own block's content.
     """
     check_int("n", n, 1)
-    q, k = _grid(n, device)
-    return k <= q
+    check_int("block", block, 1)
+    c = ((n - 1) // block) * block
+
+    def block_two_stream_mod(b, h, q_idx, kv_idx):
+        q_content, k_content = q_idx < c, kv_idx < c
+        q_block = torch.where(q_content, q_idx // block, (q_idx - c) // block)
+        k_block = torch.where(k_content, kv_idx // block, (kv_idx - c) // block)
+        content_rows = q_content & k_content & (k_block <= q_block)
+        mask_rows = (~q_content) & (
+            (k_content & (k_block < q_block)) | ((~k_content) & (k_block == q_block))
+        )
+        return content_rows | mask_rows
+
+    return _named(block_two_stream_mod, f"block_two_stream_{n}_{block}")
+
+
+def butterfly_mask_mod(n: int) -> MaskMod:
+    """Butterfly mask (sequence length ``3n - 2``; layout: :func:`butterfly_layout`).
+
+    Forward position of token ``i`` attends forward positions of tokens ``<= i``; backward
+    position of token ``j`` attends backward positions of tokens ``>= j``; the prediction
+    position of token ``k`` attends itself, the forward positions of tokens ``< k`` and
+    the backward positions of tokens ``> k``.
+    """
+    check_int("n", n, 2)
+    f_end, b_end = n - 1, 2 * n - 2
+
+    def token(i):  # the token a position carries (forward/backward) or predicts
+        return torch.where(i < f_end, i, torch.where(i < b_end, i - f_end + 1, i - b_end))
+
+    def butterfly_mod(b, h, q_idx, kv_idx):
+        tq, tk = token(q_idx), token(kv_idx)
+        qf, qp = q_idx < f_end, q_idx >= b_end
+        qb = (~qf) & (~qp)
+        kf = kv_idx < f_end
+        kb = (~kf) & (kv_idx < b_end)
+        fwd = qf & kf & (tk <= tq)
+        bwd = qb & kb & (tk >= tq)
+        pred = qp & ((kf & (tk < tq)) | (kb & (tk > tq)) | (q_idx == kv_idx))
+        return fwd | bwd | pred
+
+    return _named(butterfly_mod, f"butterfly_{n}")
+
+
+def mask_mod(mask: torch.Tensor) -> MaskMod:
+    """Wrap a dense mask as a FlexAttention ``mask_mod`` (table look-up).
+
+    The returned ``mask_mod(b, h, q_idx, kv_idx)`` reads ``mask[q_idx, kv_idx]``; it
+    ignores batch and head. The mask must be on the device where the block mask is built.
+    """
+    validate_mask(mask)
+
+    def dense_mask_mod(b, h, q_idx, kv_idx):
+        return mask[q_idx, kv_idx]
+
+    return _named(dense_mask_mod, f"dense_{mask.shape[0]}")
+
+
+def _check_mods(name: str, mods) -> tuple:
+    for i, mod in enumerate(mods):
+        if not callable(mod):
+            raise TypeError(f"{name}: expected mask_mod functions, got {describe(mod)} at "
+                            f"position {i}")
+    return tuple(mods)
+
+
+def and_masks(*mods: MaskMod) -> MaskMod:
+    """The mask_mod allowing ``(q, k)`` when every one of ``mods`` allows it (no mods:
+    everything).
+
+    >>> both = and_masks(causal_mask_mod, sliding_window_mask_mod(2))
+    >>> both.__name__
+    'and(causal,sliding_window_2)'
+    >>> materialise(both, 3).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    mods = _check_mods("mods", mods)
+
+    def and_mod(b, h, q_idx, kv_idx):
+        out = bidirectional_mask_mod(b, h, q_idx, kv_idx)
+        for mod in mods:
+            out = out & mod(b, h, q_idx, kv_idx)
+        return out
+
+    return _named(and_mod, "and(" + ",".join(_short(m) for m in mods) + ")")
+
+
+def or_masks(*mods: MaskMod) -> MaskMod:
+    """The mask_mod allowing ``(q, k)`` when any of ``mods`` allows it (no mods: nothing).
+
+    >>> self_or_previous = or_masks(chain_mask_mod, sliding_window_mask_mod(1))
+    >>> self_or_previous.__name__
+    'or(chain,sliding_window_1)'
+    >>> materialise(self_or_previous, 3).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    mods = _check_mods("mods", mods)
+
+    def or_mod(b, h, q_idx, kv_idx):
+        out = ~bidirectional_mask_mod(b, h, q_idx, kv_idx)
+        for mod in mods:
+            out = out | mod(b, h, q_idx, kv_idx)
+        return out
+
+    return _named(or_mod, "or(" + ",".join(_short(m) for m in mods) + ")")
+
+
+def _short(mod) -> str:
+    name = getattr(mod, "__name__", type(mod).__name__)
+    return name[: -len("_mask_mod")] if name.endswith("_mask_mod") else name
+
+
+def materialise(mod: MaskMod, size: int, *, device=None) -> torch.Tensor:
+    """The dense ``(size, size)`` bool mask of a ``mask_mod`` (batch 0, head 0).
+
+    The mod is evaluated once on broadcast index grids (``q_idx`` a column, ``kv_idx`` a
+    row), so it costs O(size^2) time and memory and no Python loop.
+
+    >>> materialise(causal_mask_mod, 3).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    check_int("size", size, 1)
+    if not callable(mod):
+        raise TypeError(f"mod: expected a mask_mod(b, h, q_idx, kv_idx), got {describe(mod)}")
+    q, k = _grid(size, device)
+    zero = torch.zeros((), dtype=torch.long, device=q.device)
+    out = torch.as_tensor(mod(zero, zero, q, k), device=q.device)
+    return torch.broadcast_to(out.to(torch.bool), (size, size)).contiguous()
+
+
+#: The older name of :func:`materialise`.
+dense_from_mask_mod = materialise
+
+
+# ------------------------------------------------------------------- dense builders
+def causal(n: int, *, device=None) -> torch.Tensor:
+    """Causal mask (:func:`causal_mask_mod`) as an ``(n, n)`` bool tensor.
+
+    Complexity: O(n^2) memory and time.
+
+    >>> causal(3).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    check_int("n", n, 1)
+    return materialise(causal_mask_mod, n, device=device)
 
 
 def sliding_window(n: int, width: int, *, device=None) -> torch.Tensor:
-    """Causal sliding window: query ``q`` attends itself and its ``width - 1`` predecessors.
+    """Causal sliding window (:func:`sliding_window_mask_mod`) as an ``(n, n)`` bool tensor.
 
     ``M[q, k] = 0 <= q - k < width``. With residual connections the stack of ``L`` layers
     sees ``L (width - 1)`` positions back, so the limit is the causal mask, reached after
     ``ceil((n - 1) / (width - 1))`` layers (for ``width >= 2``).
     """
     check_int("n", n, 1)
-    check_int("width", width, 1)
-    q, k = _grid(n, device)
-    return (q - k >= 0) & (q - k < width)
+    return materialise(sliding_window_mask_mod(width), n, device=device)
 
 
 def block_causal(n: int, block: int, *, device=None) -> torch.Tensor:
-    """Block-causal mask: query ``q`` attends every key of its own and earlier blocks.
+    """Block-causal mask (:func:`block_causal_mask_mod`) as an ``(n, n)`` bool tensor.
 
     Blocks are ``[0, block), [block, 2 block), ...``; the last may be shorter.
-    ``M[q, k] = k // block <= q // block``.
     """
     check_int("n", n, 1)
-    check_int("block", block, 1)
-    q, k = _grid(n, device)
-    return (k // block) <= (q // block)
+    return materialise(block_causal_mask_mod(block), n, device=device)
 
 
 def chain(n: int, *, device=None) -> torch.Tensor:
-    """Chain (path) mask: query ``q`` attends only its predecessor ``q - 1``.
+    """Chain (path) mask (:func:`chain_mask_mod`) as an ``(n, n)`` bool tensor.
 
     The diagonal is empty (row 0 is empty too): the residual supplies ``q -> q``. This is
     the worst case for depth: information from position 0 needs ``n - 1`` layers to reach
     position ``n - 1``.
     """
     check_int("n", n, 1)
-    q, k = _grid(n, device)
-    return k == q - 1
+    return materialise(chain_mask_mod, n, device=device)
 
 
 def prefix_lm(n: int, prefix: int, *, device=None) -> torch.Tensor:
-    """Prefix-LM mask: keys ``k < prefix`` are visible to every query; after that, causal.
+    """Prefix-LM mask (:func:`prefix_lm_mask_mod`) as an ``(n, n)`` bool tensor.
 
-    ``M[q, k] = (k < prefix) or (k <= q)``.
+    ``M[q, k] = (k < prefix) or (k <= q)``, for ``0 <= prefix <= n``.
     """
     check_int("n", n, 1)
     check_int("prefix", prefix, 0)
     if prefix > n:
         raise ValueError(f"prefix: expected 0 <= prefix <= n = {n}, got {prefix}")
-    q, k = _grid(n, device)
-    return (k < prefix) | (k <= q)
+    return materialise(prefix_lm_mask_mod(prefix), n, device=device)
 
 
 def bidirectional(n: int, *, device=None) -> torch.Tensor:
-    """Full (encoder) mask: every query attends every key."""
+    """Full (encoder) mask (:func:`bidirectional_mask_mod`) as an ``(n, n)`` bool tensor."""
     check_int("n", n, 1)
-    return torch.ones(n, n, dtype=torch.bool, device=check_device("device", device))
+    return materialise(bidirectional_mask_mod, n, device=device)
 
 
 def random_mask(
@@ -229,7 +430,8 @@ def xlnet_two_stream(order: Sequence[int] | torch.Tensor, *, device=None) -> Two
 
 
 def block_two_stream_mask(n: int, block: int, *, device=None) -> torch.Tensor:
-    """Block two-stream mask (closed form) in the layout of ``task_merge.block_two_stream``.
+    """Block two-stream mask (:func:`block_two_stream_mask_mod`), dense, in the layout of
+    ``task_merge.block_two_stream``.
 
     ``n`` tokens in blocks of ``block`` (the last may be shorter); ``K`` blocks. Positions:
 
@@ -237,24 +439,11 @@ def block_two_stream_mask(n: int, block: int, *, device=None) -> torch.Tensor:
       (``c = n - len(last block)``: the last block's content is never read by any
       prediction, so the minimal merged task drops it);
     - mask-token positions ``c .. c+n-1``: position ``c + t`` predicts token ``t``.
-
-    Content rows are block-causal. The mask token for token ``t`` (block ``t // block``)
-    attends the content of earlier blocks and every mask token of its own block, never
-    its own block's content.
     """
     check_int("n", n, 1)
     check_int("block", block, 1)
     c = ((n - 1) // block) * block
-    size = c + n
-    q, k = _grid(size, device)
-    q_content, k_content = q < c, k < c
-    q_block = torch.where(q_content, q // block, (q - c) // block)
-    k_block = torch.where(k_content, k // block, (k - c) // block)
-    content_rows = q_content & k_content & (k_block <= q_block)
-    mask_rows = (~q_content) & (
-        (k_content & (k_block < q_block)) | ((~k_content) & (k_block == q_block))
-    )
-    return content_rows | mask_rows
+    return materialise(block_two_stream_mask_mod(n, block), c + n, device=device)
 
 
 def butterfly_layout(n: int) -> dict[str, range]:
@@ -274,133 +463,11 @@ def butterfly_layout(n: int) -> dict[str, range]:
 
 
 def butterfly_mask(n: int, *, device=None) -> torch.Tensor:
-    """Butterfly attention mask (closed form), layout of :func:`butterfly_layout`.
+    """Butterfly attention mask (:func:`butterfly_mask_mod`), dense, layout of
+    :func:`butterfly_layout`.
 
-    Forward position of token ``i`` attends forward positions of tokens ``<= i``; backward
-    position of token ``j`` attends backward positions of tokens ``>= j``; the prediction
-    position of token ``k`` attends itself, the forward positions of tokens ``< k`` and
-    the backward positions of tokens ``> k``. Its Hasse diagram is two chains running in
-    opposite directions joined at the prediction nodes: a butterfly.
+    Its Hasse diagram is two chains running in opposite directions joined at the
+    prediction nodes: a butterfly.
     """
     check_int("n", n, 2)
-    size = 3 * n - 2
-    q, k = _grid(size, device)
-    f_end, b_end = n - 1, 2 * n - 2
-    # token carried (forward/backward) or predicted (predict) by each position
-    def token(i):
-        return torch.where(i < f_end, i, torch.where(i < b_end, i - f_end + 1, i - b_end))
-
-    tq, tk = token(q), token(k)
-    qf, qb, qp = q < f_end, (q >= f_end) & (q < b_end), q >= b_end
-    kf, kb = k < f_end, (k >= f_end) & (k < b_end)
-    fwd = qf & kf & (tk <= tq)
-    bwd = qb & kb & (tk >= tq)
-    pred = qp & ((kf & (tk < tq)) | (kb & (tk > tq)) | (q == k))
-    return fwd | bwd | pred
-
-
-# ------------------------------------------------------------------------ mask_mods
-def mask_mod(mask: torch.Tensor) -> MaskMod:
-    """Wrap a dense mask as a FlexAttention ``mask_mod`` (table look-up).
-
-    The returned ``mask_mod(b, h, q_idx, kv_idx)`` reads ``mask[q_idx, kv_idx]``; it
-    ignores batch and head. The mask must be on the device where the block mask is built.
-    """
-    validate_mask(mask)
-
-    def dense_mask_mod(b, h, q_idx, kv_idx):
-        return mask[q_idx, kv_idx]
-
-    return dense_mask_mod
-
-
-def causal_mask_mod(b, h, q_idx, kv_idx):
-    """FlexAttention mask_mod of :func:`causal`."""
-    return kv_idx <= q_idx
-
-
-def chain_mask_mod(b, h, q_idx, kv_idx):
-    """FlexAttention mask_mod of :func:`chain` (row 0 is empty)."""
-    return kv_idx == q_idx - 1
-
-
-def sliding_window_mask_mod(width: int) -> MaskMod:
-    """FlexAttention mask_mod of :func:`sliding_window` with window ``width``."""
-    check_int("width", width, 1)
-
-    def sliding_window_mod(b, h, q_idx, kv_idx):
-        return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < width)
-
-    return sliding_window_mod
-
-
-def block_causal_mask_mod(block: int) -> MaskMod:
-    """FlexAttention mask_mod of :func:`block_causal` with block size ``block``."""
-    check_int("block", block, 1)
-
-    def block_causal_mod(b, h, q_idx, kv_idx):
-        return (kv_idx // block) <= (q_idx // block)
-
-    return block_causal_mod
-
-
-def prefix_lm_mask_mod(prefix: int) -> MaskMod:
-    """FlexAttention mask_mod of :func:`prefix_lm` with ``prefix`` visible keys."""
-    check_int("prefix", prefix, 0)
-
-    def prefix_lm_mod(b, h, q_idx, kv_idx):
-        return (kv_idx < prefix) | (kv_idx <= q_idx)
-
-    return prefix_lm_mod
-
-
-def block_two_stream_mask_mod(n: int, block: int) -> MaskMod:
-    """FlexAttention mask_mod of :func:`block_two_stream_mask` (sequence length ``c + n``)."""
-    check_int("n", n, 1)
-    check_int("block", block, 1)
-    c = ((n - 1) // block) * block
-
-    def block_two_stream_mod(b, h, q_idx, kv_idx):
-        q_content, k_content = q_idx < c, kv_idx < c
-        q_block = torch.where(q_content, q_idx // block, (q_idx - c) // block)
-        k_block = torch.where(k_content, kv_idx // block, (kv_idx - c) // block)
-        content_rows = q_content & k_content & (k_block <= q_block)
-        mask_rows = (~q_content) & (
-            (k_content & (k_block < q_block)) | ((~k_content) & (k_block == q_block))
-        )
-        return content_rows | mask_rows
-
-    return block_two_stream_mod
-
-
-def butterfly_mask_mod(n: int) -> MaskMod:
-    """FlexAttention mask_mod of :func:`butterfly_mask` (sequence length ``3n - 2``)."""
-    check_int("n", n, 2)
-    f_end, b_end = n - 1, 2 * n - 2
-
-    def butterfly_mod(b, h, q_idx, kv_idx):
-        def token(i):
-            return torch.where(i < f_end, i, torch.where(i < b_end, i - f_end + 1, i - b_end))
-
-        tq, tk = token(q_idx), token(kv_idx)
-        qf, qp = q_idx < f_end, q_idx >= b_end
-        qb = (~qf) & (~qp)
-        kf = kv_idx < f_end
-        kb = (~kf) & (kv_idx < b_end)
-        fwd = qf & kf & (tk <= tq)
-        bwd = qb & kb & (tk >= tq)
-        pred = qp & ((kf & (tk < tq)) | (kb & (tk > tq)) | (q_idx == kv_idx))
-        return fwd | bwd | pred
-
-    return butterfly_mod
-
-
-def dense_from_mask_mod(mod: MaskMod, size: int, *, device=None) -> torch.Tensor:
-    """Evaluate a ``mask_mod`` on the full ``(size, size)`` grid (batch 0, head 0)."""
-    check_int("size", size, 1)
-    if not callable(mod):
-        raise TypeError(f"mod: expected a mask_mod(b, h, q_idx, kv_idx), got {describe(mod)}")
-    q, k = _grid(size, device)
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    out = mod(zero, zero, q.expand(size, size), k.expand(size, size))
-    return out.to(torch.bool)
+    return materialise(butterfly_mask_mod(n), 3 * n - 2, device=device)

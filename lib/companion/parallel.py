@@ -15,8 +15,8 @@ The function must be importable by name (``"package.module:function"``), take it
 as keyword arguments that ``torch.save`` can write, and return the same value on rank 0
 whatever the number of processes (that is the function's contract, and its tests').
 
->>> torchrun_call("math:hypot", {"x": 3.0, "y": 4.0}, nproc=1)
-5.0
+>>> torchrun_call("statistics:fmean", {"data": [1.0, 2.0, 6.0]}, nproc=1)
+3.0
 >>> requested_nproc({"COMPANION_NPROC": "4"})
 4
 """
