@@ -13,10 +13,14 @@ one.  Usage, from the repository root on the GPU machine:
 
 Writes ``$OUT/gpu_sbm.json`` when ``OUT`` is set (else ``benchmarks/results/``), prints
 a table, and exits non-zero if a test failed.  About a minute on one H100-class GPU.
+
+``--device cpu --tiny`` runs the same code on the CPU at n = 256 / 5% (the CUDA tests are
+then skipped, peak memory is not measured): a check of the script itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -30,61 +34,83 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _measure(fn, device, repeats=5):
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    """Median seconds of ``fn`` and its peak memory in MiB (CUDA only, else None)."""
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    peak = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     fn()
-    torch.cuda.synchronize(device)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    sync()
+    if cuda:
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize(device)
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize(device)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), peak
 
 
-def timing(device) -> list[dict]:
+def timing(device, cases=((4096, 0.05), (8192, 0.01)), repeats=5) -> list[dict]:
     # The same workloads as the CPU benchmark (bench_sbm.workloads), on this device.
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_sbm import workloads
 
     rows = []
-    for n, density in ((4096, 0.05), (8192, 0.01)):
+    for n, density in cases:
         runs, info = workloads(n, density, seed=0, device=device)
         row = {"n": n, "density": density}
         for name, fn in runs.items():
             try:
-                row[f"{name}_s"], row[f"{name}_peak_mb"] = _measure(fn, device)
+                row[f"{name}_s"], row[f"{name}_peak_mb"] = _measure(fn, device, repeats)
             except torch.cuda.OutOfMemoryError as exc:  # report, do not hide
                 row[f"{name}_error"] = f"out of memory: {exc}".splitlines()[0]
         row["edges_per_head"] = info.get("edges_per_head")
         for base in ("dense_masked", "sdpa"):
             if f"{base}_s" in row and "edge_s" in row:
                 row[f"{base}_over_edge_time"] = row[f"{base}_s"] / row["edge_s"]
-                row[f"edge_over_{base}_memory"] = row["edge_peak_mb"] / row[f"{base}_peak_mb"]
+                if row["edge_peak_mb"] is not None and row[f"{base}_peak_mb"]:
+                    row[f"edge_over_{base}_memory"] = (row["edge_peak_mb"]
+                                                       / row[f"{base}_peak_mb"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here (run on a GPU machine)")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--tiny", action="store_true",
+                        help="n = 256 at 5%%, 2 repeats: a check of the script itself")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (run on a GPU machine, or pass "
+              "--device cpu --tiny)")
         return 2
-    device = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}", flush=True)
     import pytest
 
-    code = pytest.main(["-q", "-rs", str(ROOT / "tests" / "test_sbm.py"), "-k", "cuda"])
-    rows = timing(device)
+    code = pytest.main(["-q", "-rs", "-p", "no:cacheprovider",
+                        str(ROOT / "tests" / "test_sbm.py"), "-k", "cuda"])
+    rows = (timing(device, cases=((256, 0.05),), repeats=2) if args.tiny
+            else timing(device))
     out_dir = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {
-        "device": torch.cuda.get_device_name(device),
+        "device": name,
+        "tiny": bool(args.tiny),
         "torch": torch.__version__,
         "tests_exit_code": int(code),
         "timing": rows,

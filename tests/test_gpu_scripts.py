@@ -1,0 +1,135 @@
+"""The prepared GPU scripts run end to end on a CPU at a tiny size and write what they say.
+
+``benchmarks/gpu_paper_sbm.py --tiny``, ``benchmarks/gpu_check_sbm.py --device cpu
+--tiny`` and ``benchmarks/gpu_check_hasse.py --device cpu --quick`` in subprocesses (as
+the device tool runs them), their JSON checked against independent references where
+there is one (the ListOps majority class recomputed from the generator, accuracies as
+multiples of 1 / test size, the expected edge count of fastRG at 5 %).
+"""
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+
+
+def _run(args, tmp_path, timeout=300, **env):
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path / "out"), **env)
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_paper_sbm_tiny_end_to_end(tmp_path):
+    out = tmp_path / "result" / "paper_sbm.json"
+    proc = _run([BENCH / "gpu_paper_sbm.py", "--tiny", "--device", "cpu", "--budget-s", "6",
+                 "--out", out], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["tiny"] is True and result["device_type"] == "cpu"
+    assert result["device"].startswith("cpu")
+    assert result["torch"] == torch.__version__
+    assert result["commit"] == "unknown" or len(result["commit"]) == 40
+    setting = result["setting"]
+    assert (setting["seq_len"], setting["batch"], setting["max_steps"]) == (64, 4, 3)
+    # one dense run, then SBM at the paper's two penalties, in that order
+    assert [(r["attention"], r["lambda"]) for r in result["runs"]] == [
+        ("dense", None), ("sbm", 1e-4), ("sbm", 1e-2)]
+    n_test = setting["n_eval"]
+    for run in result["runs"]:
+        assert "error" not in run, run
+        assert 1 <= run["steps"] <= 3 and run["step_s"] > 0 and run["train_s"] > 0
+        # accuracy on n_test items is a multiple of 1 / n_test
+        assert abs(run["test_accuracy"] * n_test - round(run["test_accuracy"] * n_test)) < 1e-9
+        assert 0.0 <= run["test_accuracy"] <= 1.0
+        assert 1 <= run["best_step"] <= run["steps"]
+        assert run["peak_memory_mib"] is None  # not measured on CPU
+        grid = run["test_density_per_layer_head"]
+        assert len(grid) == 2 and all(len(layer) == 2 for layer in grid)
+        if run["attention"] == "dense":
+            assert run["test_density"] == 1.0
+        else:
+            assert 0.0 < run["test_density"] < 1.0
+            flat = [x for layer in grid for x in layer]
+            assert run["test_density"] == pytest.approx(sum(flat) / len(flat))
+    # the majority-class rate, recomputed from the generator with the same seed
+    from companion.lra import listops
+
+    pairs = listops.generate(setting["n_train"] + 2 * n_test, seed=result["seed"],
+                             min_length=setting["min_length"],
+                             max_length=setting["max_length"],
+                             max_depth=setting["max_depth"], max_args=setting["max_args"])
+    test_labels = [y for _, y in pairs[setting["n_train"] + n_test:]]
+    majority = Counter(test_labels).most_common(1)[0][1] / len(test_labels)
+    assert result["data"]["majority_test_accuracy"] == pytest.approx(majority)
+    table = out.with_suffix(".md").read_text()
+    assert "| dense |" in table and "| sbm, λ = 0.0001 |" in table and "tiny check" in table
+
+
+def test_gpu_paper_sbm_bad_arguments_name_the_option(tmp_path):
+    script = BENCH / "gpu_paper_sbm.py"
+    for args, option in ((["--budget-s", "0"], "--budget-s"),
+                         (["--lambdas", "1e-4,x"], "--lambdas"),
+                         (["--lambdas", "-1"], "--lambdas"),
+                         (["--n-train", "0"], "--n-train")):
+        proc = _run([script, "--tiny", "--device", "cpu", *args], tmp_path, timeout=60)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert option in proc.stderr, (args, proc.stderr)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_plan_steps_fits_the_share():
+    module = _load("gpu_paper_sbm")
+    assert doctest.testmod(module).failed == 0
+    # training steps plus six evaluations never exceed what is left of the share
+    for share, calib, step, ev in ((300.0, 12.0, 0.7, 3.0), (100.0, 1.0, 0.013, 0.4)):
+        steps = module.plan_steps(share, calib, step, ev)
+        assert calib + 6 * ev + steps * step <= share < calib + 6 * ev + (steps + 1) * step
+    assert module.plan_steps(1.0, 5.0, 1.0, 1.0) == 1  # over budget: still one step
+
+
+def test_gpu_check_sbm_cpu_tiny(tmp_path):
+    proc = _run([BENCH / "gpu_check_sbm.py", "--device", "cpu", "--tiny"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / "gpu_sbm.json").read_text())
+    assert result["device"] == "cpu" and result["tiny"] is True
+    assert result["tests_exit_code"] == 0
+    (row,) = result["timing"]
+    assert (row["n"], row["density"]) == (256, 0.05)
+    for name in ("edge", "dense_masked", "sdpa"):
+        assert row[f"{name}_s"] > 0 and row[f"{name}_peak_mb"] is None
+    # fastRG draws Poisson(sum P) edges per head, E = 0.05 * 256^2 = 3277 (sd ~57)
+    assert abs(row["edges_per_head"] - 0.05 * 256 ** 2) < 6 * (0.05 * 256 ** 2) ** 0.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_check_sbm_without_cuda_says_so(tmp_path):
+    proc = _run([BENCH / "gpu_check_sbm.py"], tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stdout and "--device cpu --tiny" in proc.stdout
+
+
+def test_gpu_check_hasse_cpu_quick(tmp_path):
+    proc = _run([BENCH / "gpu_check_hasse.py", "--device", "cpu", "--quick"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "gpu_check_hasse.json").read_text())
+    assert result["device"] == "cpu" and result["all_ok"] is True
+    assert {r["mask"] for r in result["flex"]} >= {"causal", "sliding_window_64"}
+    assert all(r["R_equal"] for r in result["reachability"])
