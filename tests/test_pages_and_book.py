@@ -1,6 +1,8 @@
 """Generated pages, environment pins, and the built book checked in headless Chromium."""
 from __future__ import annotations
 
+import hashlib
+import html
 import json
 import os
 import re
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from companion import pages, runner
+from companion import pages, provenance, runner, site
 from companion.htmlcheck import check_book
 from conftest import REPO, mathjax_available, require_browser
 
@@ -29,7 +31,7 @@ def test_environment_yml_pins_equal_pyproject():
             pins |= set(extra)
     env = yaml.safe_load((REPO / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    env_pins = {p for p in pip if not p.startswith("-e")}
+    env_pins = {p for p in pip if not p.startswith("-")}  # options: -e, --extra-index-url
     assert pins == env_pins
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][A-Za-z0-9_.+]*", p) for p in pins), (
         "every dependency is pinned exactly")
@@ -40,18 +42,30 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     p = demo_project
     assert runner.run_chapter(p, "demo", scale="smoke", echo=_quiet).status == "ok"
     index = pages.figure_index(p)
-    assert "### `demo-random-walk`" in index
-    for fmt in ("PNG", "SVG", "PDF"):
-        assert f"{{download}}`{fmt} <assets/demo/figures/demo-random-walk." in index
-    assert "@misc{attnrepro-demo-random-walk," in index
-    assert "{numref}`demo-random-walk`" in index
-    assert "1 figure(s) in 1 chapter(s)." in index.split("## Demo chapter")[0]
-    assert "scale `smoke`" in index
+    # The chapter's heading gives the scale it ran at, and how to run it at the paper's.
+    head, table = index.split("## 1. Demo chapter \u00b7 scale `smoke`")
+    assert "1 figure(s) in 1 chapter(s)." in head
+    assert "`python -m companion run demo --scale paper`" in table
+    # A compact table: a 120 px thumbnail, the number (a link), the id, the Cite line.
+    assert ":class: figure-index" in table and ":width: 120px" in table
+    assert "{numref}`demo-random-walk` \u00b7 `demo-random-walk`" in table
+    assert "320px" not in index and "```bibtex" not in index, "no unfolded BibTeX"
+    for ext in ("png", "svg", "pdf", "json", "bib"):
+        assert f'href="assets/demo/figures/demo-random-walk.{ext}"' in table, ext
+    # The folded entry is the one written beside the figure (one function builds both).
+    folder = p.assets("demo") / "figures"
+    side = json.loads((folder / "demo-random-walk.json").read_text())
+    written = (folder / "demo-random-walk.bib").read_text()
+    assert written == provenance.bibtex_entry(side) + "\n"
+    assert html.escape(written.strip()).replace("\n", "\n    ") in table, (
+        "the entry, indented in its table cell")
+    assert side["files"]["bib"]["sha256"] == hashlib.sha256(written.encode()).hexdigest()
     report = pages.reproduction_report(p)
     # Counts: paper claims (differs, inconclusive, reproduced, not comparable), then checks
     # (fails, inconclusive, holds), never added together.
-    assert ("| Demo chapter | **2** {bdg-success}`1 reproduced` {bdg-muted}`1 not comparable` "
-            "| **1** {bdg-success-line}`1 holds` | fresh |") in report
+    assert ("| Demo chapter (smoke) | **2** {bdg-success}`1 reproduced` {bdg-muted}`1 not "
+            "comparable` | **1** {bdg-success-line}`1 holds` |") in report
+    assert "### Demo chapter \u00b7 scale `smoke`" in report
     assert ("In all: 2 paper claims (1 reproduced, 1 not comparable); and 1 check "
             "(1 holds), not counted as reproductions.") in report
     paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
@@ -98,9 +112,9 @@ def test_report_leads_with_differs_and_inconclusive_and_tables_checks_apart(demo
     for i, r in enumerate(records):
         _write_claim(demo_project, {**r, "created": f"2026-01-01T00:00:0{i}"})
     report = pages.reproduction_report(demo_project)
-    assert ("| Demo chapter | **4** {bdg-danger}`1 differs` {bdg-warning}`1 inconclusive` "
-            "{bdg-success}`2 reproduced` | **2** {bdg-danger-line}`1 fails` "
-            "{bdg-success-line}`1 holds` | STALE |") in report
+    assert ("| Demo chapter (unknown, **STALE**) | **4** {bdg-danger}`1 differs` "
+            "{bdg-warning}`1 inconclusive` {bdg-success}`2 reproduced` | **2** "
+            "{bdg-danger-line}`1 fails` {bdg-success-line}`1 holds` |") in report
     paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
     order = [m for m in re.findall(r"\{ref\}`(demo-[a-f]) <", paper_part)]
     assert order == ["demo-b", "demo-c", "demo-a", "demo-f"], "differs, inconclusive first"
@@ -147,16 +161,86 @@ def test_raw_latex_detector_on_snippets(snippet, found):
         assert hits and hits[0].startswith(found), hits
 
 
+SIDECAR = {"id": "demo-x", "type": "figure", "chapter": "demo",
+           "git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": False,
+           "created": "2026-11-29T00:00:00+00:00", "scale": "ci", "device": "cpu", "seed": 0,
+           "caption": "A caption.", "files": {"png": {}, "svg": {}, "pdf": {}}}
+
+
+def _parse_bibtex(entry: str):
+    """The entry as an independent BibTeX parser (pybtex) reads it."""
+    from pybtex.database import parse_string
+
+    (key, parsed), = parse_string(entry, "bibtex").entries.items()
+    return key, parsed
+
+
 def test_bibtex_entry_names_commit_and_figure():
-    meta = {"title": "Attention, Reproduced", "authors": [{"name": "A. Person"}],
-            "version": "0.1.0"}
-    side = {"id": "demo-x", "chapter": "demo", "git_commit": "0123456789abcdef",
-            "created": "2026-11-29T00:00:00+00:00", "scale": "ci", "device": "cpu",
-            "seed": 0, "caption": "A caption."}
-    entry = pages.bibtex_for_figure(meta, side)
-    assert entry.startswith("@misc{attnrepro-demo-x,")
-    assert "Commit 0123456789ab" in entry and "year = {2026}" in entry
-    assert "author = {A. Person}" in entry
+    meta = {"title": "Attention, Reproduced", "version": "0.1.0",
+            "authors": [{"name": "Attention, Reproduced contributors"},
+                        {"family-names": "Doe", "given-names": "Jane"}]}
+    entry = pages.bibtex_for_figure(meta, SIDECAR, "https://github.com/o/r")
+    key, parsed = _parse_bibtex(entry)
+    assert key == "attnrepro-demo-x" and parsed.type == "misc"
+    # The corporate author is one name, not surname "Attention" (the bug it fixes).
+    corporate, person = parsed.persons["author"]
+    assert corporate.last_names == ["{Attention, Reproduced contributors}"]
+    assert corporate.first_names == []
+    assert (person.last_names, person.first_names) == (["Doe"], ["Jane"])
+    assert parsed.fields["url"] == site.tree_url("https://github.com/o/r", SIDECAR["git_commit"])
+    assert parsed.fields["year"] == "2026"
+    assert "Commit 0123456789ab" in parsed.fields["note"]
+    assert parsed.fields["title"] == "{Attention, Reproduced}: figure \\texttt{demo-x}"
+
+
+def test_bibtex_entry_of_the_repository_and_of_a_table():
+    """Default metadata: the repository's CITATION.cff and _config.yml address."""
+    table = {**SIDECAR, "id": "demo-t", "type": "table", "git_commit": "unknown"}
+    _, parsed = _parse_bibtex(provenance.bibtex_entry(table))
+    assert parsed.fields["title"].endswith("table \\texttt{demo-t}")
+    # No commit to point at: the url is the repository itself.
+    assert parsed.fields["url"] == site.repository_url(REPO)
+    assert [str(a) for a in parsed.persons["author"]] == [
+        "{Attention, Reproduced contributors}"]
+
+
+@pytest.mark.parametrize("caption, expected", [
+    ("5 % of #1 & x_i.", "5 \\% of \\#1 \\& x\\_i."),
+    ("Maths $a_b$ stays, see {numref}`demo-y`.", "Maths $a_b$ stays, see demo-y."),
+    ("A lone $ sign and x_1", "A lone \\$ sign and x\\_1"),
+    ("Unbalanced } and { braces", "Unbalanced and braces"),
+])
+def test_bibtex_fields_survive_latex_specials(caption, expected):
+    entry = provenance.bibtex_entry({**SIDECAR, "caption": caption}, {}, "")
+    _, parsed = _parse_bibtex(entry)  # parses: braces balanced
+    assert parsed.fields["note"].endswith(expected), parsed.fields["note"]
+    assert "url" not in parsed.fields
+
+
+def test_bibtex_entry_rejects_what_is_not_a_sidecar():
+    with pytest.raises(ValueError, match="item: expected a figure or table sidecar"):
+        provenance.bibtex_entry({"caption": "no id"}, {}, "")
+
+
+def test_cite_line_links_every_file_and_folds_the_entry():
+    from companion.htmlcheck import cite_line_problems, cite_lines
+
+    entry = provenance.bibtex_entry(SIDECAR, {}, "")
+    line = provenance.cite_line(SIDECAR, "../assets/demo/figures", entry)
+    assert "\n\n" not in line, "one HTML block: Markdown must not split it"
+    assert line.startswith('<details class="cite-line" data-cite-for="demo-x">')
+    links = cite_lines(line)["demo-x"]
+    assert links == [f"../assets/demo/figures/demo-x.{e}" for e in
+                     ("png", "svg", "pdf", "json", "bib")]
+    assert html.escape(entry) in line
+    figure = ('<figure id="demo-x"><figcaption><span class="caption-number">Fig. 1.1</span>'
+              '</figcaption></figure>')
+    assert cite_line_problems(figure + line) == []
+    table = {**SIDECAR, "id": "demo-t", "type": "table", "files": {"csv": {}, "md": {}}}
+    tline = provenance.cite_line(table, "t", entry)
+    assert cite_lines(tline)["demo-t"] == ["t/demo-t.csv", "t/demo-t.md", "t/demo-t.json",
+                                           "t/demo-t.bib"]
+    assert ">CSV<" in tline and ">Markdown<" in tline and ">provenance<" in tline
 
 
 @pytest.mark.skipif(not mathjax_available(), reason="local MathJax missing: run make setup")

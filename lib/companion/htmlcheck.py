@@ -5,8 +5,15 @@ of contents is opened and must: load, have every ``<img>`` loaded (naturalWidth 
 render its maths with the local MathJax (no script fetched from another host, no TeX
 error), show no raw LaTeX in its text (:func:`raw_latex`: ``$...$``, ``$$``, ``\\sqrt``,
 ``x_{i}`` outside code and maths, i.e. maths the Markdown parser did not recognise),
-and log no console error. A screenshot of each page is saved under
-``<build>/../screenshots/``.
+and log no console error. At 1400 px and at 400 px of width no page may scroll sideways
+(:func:`sideways_problem`). On a chapter page (``book/_generated/chapters/``) every
+numbered figure and table has its Cite line and the line's links resolve in the build
+(:func:`cite_line_problems`), and there is exactly one parameters cell
+(:func:`parameters_cell_problems`). No page's text or links show a local absolute path
+(:func:`local_paths`: ``/tmp/...``, ``/home/...``, ``/root/...``, ``/work/...``,
+``/Users/...``). The HTML checks are plain functions of the page's HTML, tested on small
+hand-written pages; the browser applies them to the rendered page (``page_source``).
+Screenshots of each page at both widths are saved under ``<build>/../screenshots/``.
 
 Outcomes (the exit code of ``python -m companion check-html``, :attr:`Report.exit_code`):
 a problem on any page is a failure (1); no built book to check is an error (2); a
@@ -149,13 +156,264 @@ def raw_latex_in_html(page_html: str) -> list[str]:
     return raw_latex(prose_text(page_html))
 
 
+class _Node:
+    __slots__ = ("tag", "attrs", "children", "parent", "text")
+
+    def __init__(self, tag: str, attrs: dict[str, str], parent: "_Node | None") -> None:
+        self.tag, self.attrs, self.parent = tag, attrs, parent
+        self.children: list[_Node] = []
+        self.text: list[str] = []
+
+    @property
+    def classes(self) -> set[str]:
+        return set((self.attrs.get("class") or "").split())
+
+    def iter(self):
+        yield self
+        for child in self.children:
+            yield from child.iter()
+
+    def text_content(self) -> str:
+        return "".join(self.text) + "".join(c.text_content() for c in self.children
+                                            if c.tag not in ("script", "style"))
+
+
+class _Tree(html.parser.HTMLParser):
+    """A forgiving element tree of a page: enough to find figures, cells and links."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.root = _Node("#document", {}, None)
+        self.open = [self.root]
+
+    def handle_starttag(self, tag, attrs):
+        node = _Node(tag, {k: v or "" for k, v in attrs}, self.open[-1])
+        self.open[-1].children.append(node)
+        if tag not in _ProseText.VOID:
+            self.open.append(node)
+
+    def handle_startendtag(self, tag, attrs):
+        self.open[-1].children.append(_Node(tag, {k: v or "" for k, v in attrs}, self.open[-1]))
+
+    def handle_endtag(self, tag):
+        for i in range(len(self.open) - 1, 0, -1):
+            if self.open[i].tag == tag:
+                del self.open[i:]
+                break
+
+    def handle_data(self, data):
+        # Text after a child belongs to its parent: kept in order well enough for a check.
+        self.open[-1].text.append(data)
+
+
+def _tree(page_html: str) -> _Node:
+    parser = _Tree()
+    parser.feed(page_html)
+    parser.close()
+    return parser.root
+
+
+def numbered_items(page_html: str) -> list[str]:
+    """The ids of the numbered figures and tables of a page (those whose caption has a
+    number: Sphinx's ``<span class="caption-number">``), in page order.
+
+    >>> numbered_items('<figure id="f"><figcaption><span class="caption-number">Fig. 1 '
+    ...                '</span></figcaption></figure><table id="t"><caption><span '
+    ...                'class="caption-number">Table 1</span></caption></table><table id="u">')
+    ['f', 't']
+    """
+    ids = []
+    for node in _tree(page_html).iter():
+        if node.tag in ("figure", "table") and node.attrs.get("id") and any(
+                "caption-number" in n.classes for n in node.iter()):
+            ids.append(node.attrs["id"])
+    return ids
+
+
+def cite_lines(page_html: str) -> dict[str, list[str]]:
+    """Every Cite line of a page (``details.cite-line``): the id it cites -> its links."""
+    found: dict[str, list[str]] = {}
+    for node in _tree(page_html).iter():
+        if node.tag == "details" and "cite-line" in node.classes:
+            found[node.attrs.get("data-cite-for", "")] = [
+                n.attrs["href"] for n in node.iter() if n.tag == "a" and n.attrs.get("href")]
+    return found
+
+
+#: What a Cite line must link to: (what, file suffix).
+_CITE_NEEDS = {"figure": (("PNG", ".png"), ("SVG", ".svg"), ("PDF", ".pdf"),
+                          ("provenance", ".json"), ("BibTeX", ".bib")),
+               "table": (("CSV", ".csv"), ("provenance", ".json"), ("BibTeX", ".bib"))}
+
+
+def cite_line_problems(page_html: str, page: str = "", build_dir: Path | None = None
+                       ) -> list[str]:
+    """What is wrong with the Cite lines of a chapter page: a numbered figure or table
+    without one, a line missing one of its links (figures: PNG, SVG, PDF, provenance,
+    .bib; tables: CSV, provenance, .bib), and, given the page's path ``page`` in
+    ``build_dir``, a link whose file is not in the build. Empty when all is well.
+
+    >>> fig = ('<figure id="f"><figcaption><span class="caption-number">Fig. 1</span>'
+    ...        '</figcaption></figure>')
+    >>> cite_line_problems(fig)
+    ['figure f has no Cite line']
+    >>> cite_line_problems(fig + '<details class="cite-line" data-cite-for="f"><summary>'
+    ...     + "".join(f'<a href="a/f.{x}">{x}</a>' for x in ("png", "svg", "pdf", "json"))
+    ...     + '</summary></details>')
+    ['the Cite line of figure f has no BibTeX link (.bib)']
+    """
+    tree = _tree(page_html)
+    kinds = {}
+    for node in tree.iter():
+        if node.tag in ("figure", "table") and node.attrs.get("id") and any(
+                "caption-number" in n.classes for n in node.iter()):
+            kinds[node.attrs["id"]] = node.tag
+    lines = cite_lines(page_html)
+    problems = []
+    for item_id, kind in kinds.items():
+        if item_id not in lines:
+            problems.append(f"{kind} {item_id} has no Cite line")
+            continue
+        hrefs = lines[item_id]
+        for what, suffix in _CITE_NEEDS[kind]:
+            if not any(h.split("#")[0].split("?")[0].endswith(suffix) for h in hrefs):
+                problems.append(f"the Cite line of {kind} {item_id} has no {what} link "
+                                f"({suffix})")
+        if build_dir is not None:
+            missing = [h for h in hrefs if _missing_in_build(h, page, Path(build_dir))]
+            if missing:
+                problems.append(f"the Cite line of {kind} {item_id} links to files missing "
+                                f"from the build: {missing[:3]}")
+    return problems
+
+
+def _missing_in_build(href: str, page: str, build_dir: Path) -> bool:
+    """Whether the relative link ``href`` of ``page`` names no file of the build."""
+    import posixpath
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(href)
+    if parts.scheme or parts.netloc or not parts.path:
+        return False  # another site, or a link within the page
+    target = posixpath.normpath(posixpath.join(posixpath.dirname(page),
+                                               urllib.parse.unquote(parts.path)))
+    return target.startswith("..") or not (build_dir / target).is_file()
+
+
+#: Classes of a code cell that is the chapter's parameters cell (papermill's tags).
+PARAMETERS_TAGS = ("tag_parameters", "tag_injected-parameters")
+
+
+def parameters_cell_problems(page_html: str) -> list[str]:
+    """A chapter page shows exactly one parameters cell (a cell tagged ``parameters`` or
+    ``injected-parameters``); else the problem, in one sentence.
+
+    >>> cell = '<div class="cell tag_{} docutils container"><pre>seed = 0</pre></div>'
+    >>> parameters_cell_problems(cell.format("parameters"))
+    []
+    >>> parameters_cell_problems(cell.format("parameters") + cell.format("injected-parameters"))
+    ['2 parameters cells shown (expected exactly one)']
+    """
+    count = sum(1 for node in _tree(page_html).iter()
+                if "cell" in node.classes and node.classes & set(PARAMETERS_TAGS))
+    if count == 1:
+        return []
+    return [f"{count} parameters cells shown (expected exactly one)"]
+
+
+# A local absolute path: a user's or a machine's folder (not a web address: the slash
+# must not follow a word character, a dot or another slash, as in https://host/home/).
+_LOCAL_PATH = re.compile(
+    r"(?<![\w.~/:%-])/(?:tmp|home|root|work|Users|private/var|var/folders|mnt|scratch)"
+    r"/[\w.~@+-][^\s\"'<>)\]]*"
+    r"|\b[A-Za-z]:\\(?:Users|Documents and Settings)\\[^\s\"'<>]*"
+    r"|file:///[^\s\"'<>]*")
+
+
+def local_paths(page_html: str) -> list[str]:
+    """The local absolute paths a page shows in its text (code and outputs included) or
+    links to (``href``, ``src``): what a page built on one machine must not leak.
+
+    >>> local_paths('<p>see /work/main/benchmarks/results/sbm.json not found</p>'
+    ...             '<a href="https://github.com/home/x">web</a><img src="file:///tmp/a.png">')
+    ['/work/main/benchmarks/results/sbm.json', 'file:///tmp/a.png']
+    """
+    tree = _tree(page_html)
+    found = _LOCAL_PATH.findall(tree.text_content())
+    for node in tree.iter():
+        for attr in ("href", "src"):
+            value = node.attrs.get(attr, "")
+            if value and _LOCAL_PATH.match(value):
+                found.append(value)
+    return list(dict.fromkeys(found))
+
+
+def page_problems(page_html: str, page: str, build_dir: Path | None = None,
+                  chapter_page: bool = False) -> list[str]:
+    """The HTML checks of one page (no browser needed): local paths on every page; on a
+    chapter page also the Cite lines and the one parameters cell."""
+    problems = []
+    paths = local_paths(page_html)
+    if paths:
+        problems.append(f"local absolute paths in the page: {paths[:3]}")
+    if chapter_page:
+        problems += cite_line_problems(page_html, page, build_dir)
+        problems += parameters_cell_problems(page_html)
+    return problems
+
+
+#: The widths the book is checked at: a desktop and a phone.
+WIDTHS = (1400, 400)
+
+_SIDEWAYS_JS = """
+const w = window.innerWidth;
+const de = document.documentElement;
+const width = Math.max(de.scrollWidth, document.body ? document.body.scrollWidth : 0);
+const out = new Set();
+if (width > w) {
+  for (const el of document.body.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (!(r.width > 0 && r.right > w + 1)) continue;
+    let p = el.parentElement, clipped = false;
+    while (p && p !== document.body) {
+      const s = getComputedStyle(p);
+      if (s.overflowX !== 'visible' || s.position === 'fixed') { clipped = true; break; }
+      p = p.parentElement;
+    }
+    if (!clipped && getComputedStyle(el).position !== 'fixed') out.add(el);
+  }
+}
+const leaves = Array.from(out).filter(e => !Array.from(out).some(o => o !== e && e.contains(o)));
+const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') +
+  (e.classList.length ? '.' + Array.from(e.classList).slice(0, 2).join('.') : '') +
+  ' (right edge ' + Math.round(e.getBoundingClientRect().right) + ' px)';
+return {scrollWidth: width, innerWidth: w, offenders: leaves.slice(0, 4).map(name)};
+"""
+
+
+def sideways_problem(state: dict, width: int) -> str:
+    """The problem to report when a page scrolls sideways at ``width`` px, from what
+    :data:`_SIDEWAYS_JS` measured (``scrollWidth``, ``innerWidth``, ``offenders``).
+
+    >>> sideways_problem({"scrollWidth": 400, "innerWidth": 400, "offenders": []}, 400)
+    ''
+    >>> sideways_problem({"scrollWidth": 612, "innerWidth": 400, "offenders": ["pre"]}, 400)
+    "scrolls sideways at 400 px (content 612 px wide): ['pre']"
+    """
+    if state["scrollWidth"] <= state["innerWidth"]:
+        return ""
+    return (f"scrolls sideways at {width} px (content {state['scrollWidth']} px wide): "
+            f"{state['offenders']}")
+
+
 @dataclass
 class PageResult:
     page: str
     problems: list[str] = field(default_factory=list)
     images: int = 0
     math: int = 0
-    screenshot: str = ""
+    screenshot: str = ""  # at the first of WIDTHS
+    screenshots: dict[int, str] = field(default_factory=dict)  # width -> file
 
 
 @dataclass
@@ -244,10 +502,47 @@ def _driver(browser: str, driver_path: str):
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-                 "--window-size=1400,1000"):
+                 f"--window-size={WIDTHS[0]},1000", "--hide-scrollbars"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+
+
+def _set_viewport(driver, width: int, height: int) -> None:
+    """Lay the page out at exactly ``width`` x ``height`` CSS pixels (a window cannot be
+    made 400 px narrow on every platform; the DevTools override can), then wait for
+    two animation frames so that the new layout is in place."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": int(width), "height": int(height), "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "requestAnimationFrame(() => requestAnimationFrame(() => done(true)));")
+
+
+def _load(driver, url: str) -> None:
+    """Open ``url`` and wait until it is complete: loaded, its maths typeset by MathJax
+    (asynchronous, and it changes the layout), its lazy images below the fold loaded."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url)
+    WebDriverWait(driver, 30).until(
+        lambda d: d.execute_script("return document.readyState") == "complete")
+    with contextlib.suppress(Exception):
+        WebDriverWait(driver, 20).until(lambda d: d.execute_script(
+            "return !window.MathJax || !MathJax.startup || "
+            "!MathJax.startup.promise ? true : "
+            "(window.__mjDone || "
+            "(MathJax.startup.promise.then(() => {window.__mjDone = true}), false))"))
+    driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
+    with contextlib.suppress(Exception):
+        WebDriverWait(driver, 10).until(lambda d: d.execute_script(
+            "return Array.from(document.images).every(i => i.complete)"))
+    driver.execute_script("window.scrollTo(0, 0)")
+
+
+def is_chapter_page(page: str) -> bool:
+    """Whether ``page`` (a path in the build) is an executed chapter's page."""
+    return "_generated/chapters/" in page
 
 
 def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Report:
@@ -264,8 +559,6 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
     shots = build_dir.parent / "screenshots"
     shots.mkdir(parents=True, exist_ok=True)
     results = []
-    from selenium.webdriver.support.ui import WebDriverWait
-
     with serve(build_dir) as base:
         driver = _driver(browser, driver_path)
         try:
@@ -275,22 +568,8 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                 if not (build_dir / page).exists():
                     res.problems.append("page missing from the build")
                     continue
-                driver.get(f"{base}/{page}")
-                WebDriverWait(driver, 30).until(
-                    lambda d: d.execute_script("return document.readyState") == "complete")
-                # Let MathJax typeset (it runs asynchronously after load).
-                with contextlib.suppress(Exception):
-                    WebDriverWait(driver, 20).until(lambda d: d.execute_script(
-                        "return !window.MathJax || !MathJax.startup || "
-                        "!MathJax.startup.promise ? true : "
-                        "(window.__mjDone || "
-                        "(MathJax.startup.promise.then(() => {window.__mjDone = true}), false))"))
-                # Images below the fold: scroll through the page so lazy ones load too.
-                driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
-                with contextlib.suppress(Exception):
-                    WebDriverWait(driver, 10).until(lambda d: d.execute_script(
-                        "return Array.from(document.images).every(i => i.complete)"))
-                driver.execute_script("window.scrollTo(0, 0)")
+                _set_viewport(driver, WIDTHS[0], 1000)
+                _load(driver, f"{base}/{page}")
                 state = driver.execute_script(_PAGE_STATE_JS, _EXCLUDED_SELECTOR,
                                               _BLOCK_SELECTOR)
                 res.images = state["images"]
@@ -310,17 +589,28 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                     res.problems.append(f"scripts from other hosts: {external[:3]}")
                 if state["mathSource"] and not any("mathjax" in s for s in state["scripts"]):
                     res.problems.append("maths present but the local MathJax is not loaded")
+                res.problems += page_problems(driver.page_source, page, build_dir,
+                                              chapter_page=is_chapter_page(page))
                 errors = [e["message"] for e in driver.get_log("browser")
                           if e.get("level") == "SEVERE"]
                 if errors:
                     res.problems.append(f"console errors: {errors[:3]}")
-                shot = shots / (page.replace("/", "__").removesuffix(".html") + ".png")
-                # Full-page screenshot: grow the window to the page's height first.
-                height = driver.execute_script("return document.documentElement.scrollHeight")
-                driver.set_window_size(1400, min(int(height) + 50, 16000))
-                driver.save_screenshot(str(shot))
-                driver.set_window_size(1400, 1000)
-                res.screenshot = str(shot)
+                stem = page.replace("/", "__").removesuffix(".html")
+                for width in WIDTHS:
+                    if width != WIDTHS[0]:  # a fresh load at each width, as a phone sees it
+                        _set_viewport(driver, width, 1000)
+                        _load(driver, f"{base}/{page}")
+                    problem = sideways_problem(driver.execute_script(_SIDEWAYS_JS), width)
+                    if problem:
+                        res.problems.append(problem)
+                    # Full-page screenshot: the viewport as tall as the page.
+                    height = driver.execute_script(
+                        "return document.documentElement.scrollHeight")
+                    _set_viewport(driver, width, min(int(height) + 50, 16000))
+                    shot = shots / (stem + ("" if width == WIDTHS[0] else f"@{width}") + ".png")
+                    driver.save_screenshot(str(shot))
+                    res.screenshots[width] = str(shot)
+                res.screenshot = res.screenshots[WIDTHS[0]]
         finally:
             driver.quit()
     return Report(results)
