@@ -262,6 +262,12 @@ def test_built_book_passes_browser_check(demo_project):
     # Inline maths, and the definition's $$ display block (rendered, no raw LaTeX left).
     assert demo.images >= 1 and demo.math >= 4
     assert all(Path(r.screenshot).stat().st_size > 0 for r in report.pages)
+    assert all(Path(r.screenshots[400]).stat().st_size > 0 for r in report.pages)
+    # The Cite lines' files are in the build at the place the links name.
+    figures = p.build_dir / "html" / "book" / "_generated" / "assets" / "demo" / "figures"
+    assert {f.suffix for f in figures.glob("demo-random-walk.*")} == {
+        ".png", ".svg", ".pdf", ".json", ".bib"}
+    assert 'data-cite-for="demo-random-walk"' in page and 'data-cite-for="demo-summary"' in page
 
 
 @pytest.mark.skipif(not mathjax_available(), reason="local MathJax missing: run make setup")
@@ -277,9 +283,27 @@ def test_browser_check_detects_broken_image_and_raw_latex(demo_project):
     html_dir = p.build_dir / "html"
     for img in (html_dir / "_images").glob("*.png"):
         img.write_bytes(b"not a png")
+    # A block 600 px wide (too wide for a phone only), a figure's Cite line removed, a
+    # local path printed, a second parameters cell.
+    page = html_dir / "book" / "_generated" / "chapters" / "demo.html"
+    text = page.read_text()
+    assert text.count('<details class="cite-line"') == 2, "the figure's and the table's"
+    text = re.sub(r'<details class="cite-line" data-cite-for="demo-random-walk">.*?</details>',
+                  "", text, count=1, flags=re.S)
+    text = text.replace("</article>", '<div style="width: 600px">wide</div><pre>Error: '
+                        '/home/someone/book/x.json</pre><div class="cell tag_parameters">'
+                        "<pre>n = 1</pre></div></article>", 1)
+    page.write_text(text)
     report = check_book(p, html_dir, pages=["book/_generated/chapters/demo.html"])
-    assert not report.ok and "images not loaded" in report.summary()
-    assert "raw LaTeX in the page text" in report.summary(), report.summary()
+    summary = report.summary()
+    assert not report.ok and "images not loaded" in summary
+    assert "raw LaTeX in the page text" in summary, summary
+    assert "scrolls sideways at 400 px" in summary and "at 1400 px" not in summary, summary
+    assert "figure demo-random-walk has no Cite line" in summary, summary
+    assert "table demo-summary has no Cite line" not in summary, summary
+    assert "local absolute paths in the page: ['/home/someone/book/x.json']" in summary
+    assert "2 parameters cells shown" in summary
+    assert set(report.pages[0].screenshots) == {1400, 400}
     proc = _cli(p, "check-html")  # what `make book` runs: a problem is a non-zero exit
     assert proc.returncode == 1 and "images not loaded" in proc.stdout, proc.stdout
     assert "raw LaTeX" in proc.stdout

@@ -157,25 +157,37 @@ def raw_latex_in_html(page_html: str) -> list[str]:
 
 
 class _Node:
-    __slots__ = ("tag", "attrs", "children", "parent", "text")
+    """An element of :class:`_Tree`: its tag, attributes and, in document order, its
+    children (elements and text)."""
+
+    __slots__ = ("tag", "attrs", "children", "parent")
 
     def __init__(self, tag: str, attrs: dict[str, str], parent: "_Node | None") -> None:
         self.tag, self.attrs, self.parent = tag, attrs, parent
-        self.children: list[_Node] = []
-        self.text: list[str] = []
+        self.children: list[_Node | str] = []
 
     @property
     def classes(self) -> set[str]:
         return set((self.attrs.get("class") or "").split())
 
     def iter(self):
+        """This element and every element below it, in document order."""
         yield self
         for child in self.children:
-            yield from child.iter()
+            if isinstance(child, _Node):
+                yield from child.iter()
 
     def text_content(self) -> str:
-        return "".join(self.text) + "".join(c.text_content() for c in self.children
-                                            if c.tag not in ("script", "style"))
+        """The text below this element in document order (scripts and styles left out),
+        a line break around every block element so that words of two blocks never join."""
+        parts = []
+        for child in self.children:
+            if isinstance(child, str):
+                parts.append(child)
+            elif child.tag not in ("script", "style"):
+                block = child.tag in BLOCK_TAGS or child.tag == "pre"
+                parts += ["\n" if block else "", child.text_content(), "\n" if block else ""]
+        return "".join(parts)
 
 
 class _Tree(html.parser.HTMLParser):
@@ -202,8 +214,7 @@ class _Tree(html.parser.HTMLParser):
                 break
 
     def handle_data(self, data):
-        # Text after a child belongs to its parent: kept in order well enough for a check.
-        self.open[-1].text.append(data)
+        self.open[-1].children.append(data)
 
 
 def _tree(page_html: str) -> _Node:
