@@ -73,6 +73,33 @@ def test_save_table_csv_markdown_sidecar(chapter):
         prov.save_table([[1]], "demo-bad", "Not a frame.")
 
 
+def test_figure_and_table_are_shown_with_their_cite_line_and_bib_file(chapter, monkeypatch):
+    """Under the item on the page: Cite (the BibTeX entry, also written to <id>.bib) and
+    the item's files, linked where the runner publishes them (the asset url)."""
+    from companion.htmlcheck import cite_line_problems, cite_lines
+
+    shown = []
+    monkeypatch.setattr(prov, "_display_markdown", lambda md, extra=None: shown.append(md))
+    fig = prov.save_figure(_figure(), "demo-cited", "Cited.")
+    tab = prov.save_table(pd.DataFrame({"a": [1]}), "demo-cited-table", "Cited too.")
+    for side, folder, exts in ((fig, "figures", ("png", "svg", "pdf")),
+                               (tab, "tables", ("csv", "md"))):
+        bib = chapter.output_dir / folder / f"{side['id']}.bib"
+        assert bib.read_text() == prov.bibtex_entry(side) + "\n"
+        assert side["files"]["bib"]["sha256"] == hashlib.sha256(bib.read_bytes()).hexdigest()
+        saved = json.loads((chapter.output_dir / folder / f"{side['id']}.json").read_text())
+        assert saved["files"]["bib"] == side["files"]["bib"], "the sidecar lists the .bib"
+        base = f"../assets/demo/{folder}/{side['id']}"
+        markdown = shown.pop(0)
+        directive, line = markdown.split("```\n\n", 1)
+        assert f":name: {side['id']}" in directive
+        assert cite_lines(line)[side["id"]] == [f"{base}.{e}" for e in (*exts, "json", "bib")]
+    assert not list(chapter.output_dir.rglob(".*.tmp"))
+    page = ('<figure id="demo-cited"><figcaption><span class="caption-number">Fig. 1'
+            '</span></figcaption></figure>')
+    assert cite_line_problems(page) == ["figure demo-cited has no Cite line"]
+
+
 @pytest.mark.parametrize("bad", ["Demo-x", "demo_x", "other-x", "demo-", ""])
 def test_ids_must_be_kebab_case_with_chapter_prefix(chapter, bad):
     with pytest.raises(ValueError, match="figure_id"):
