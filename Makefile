@@ -9,7 +9,7 @@ JOBS ?= 2
 MATHJAX_VERSION := 3.2.2
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup book test bench check-html pages clean distclean
+.PHONY: setup book test bench check-html pages pdf clean distclean
 
 setup: $(STAMP) book/_static/mathjax/tex-chtml.js
 	@$(MAKE) --no-print-directory browser
@@ -50,6 +50,35 @@ check-html: setup
 
 pages: setup
 	$(PY) -m companion pages
+
+# The book as one PDF, from the chapters as last executed (book/_generated/: run `make book`
+# or `make publish` first): Jupyter Book's LaTeX builder with xelatex (see _config.yml),
+# copied next to the HTML book as attention-reproduced.pdf (linked from the intro).
+# TeX Live comes from Debian (about 400 MB), installed when root like `browser`.
+TEX_PACKAGES := texlive-latex-extra texlive-latex-recommended texlive-fonts-recommended \
+	texlive-xetex latexmk tex-gyre fonts-freefont-otf lmodern
+PDF_NAME := attention-reproduced.pdf
+
+.PHONY: latex
+latex:
+	@if command -v latexmk >/dev/null && command -v xelatex >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "pdf: installing TeX Live ($(TEX_PACKAGES))"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends $(TEX_PACKAGES) >/dev/null; \
+	else echo "pdf: latexmk and xelatex are missing; install the Debian packages:" \
+	  "sudo apt-get install --no-install-recommends $(TEX_PACKAGES)" >&2; exit 1; fi
+
+pdf: setup latex
+	@ls book/_generated/chapters/*.ipynb >/dev/null 2>&1 || { echo "pdf: no executed" \
+	  "chapters in book/_generated/chapters: run 'make book' first" >&2; exit 1; }
+	$(PY) -m companion pages
+	$(VENV)/bin/jupyter-book build . --path-output book --builder pdflatex
+	@test -s book/_build/latex/book.pdf || { echo "pdf: the build made no" \
+	  "book/_build/latex/book.pdf (log: book/_build/latex/book.log)" >&2; exit 1; }
+	@mkdir -p book/_build/html
+	cp book/_build/latex/book.pdf book/_build/html/$(PDF_NAME)
+	@echo "pdf: book/_build/latex/book.pdf (and book/_build/html/$(PDF_NAME))"
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile -q
