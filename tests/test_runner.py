@@ -65,7 +65,9 @@ def test_run_success_cache_and_force(demo_project):
     box = [c for c in nb["cells"] if runner.BOX_TAG in c["metadata"].get("tags", [])]
     assert len(box) == 1
     assert "python -m companion run demo --scale smoke" in "".join(box[0]["source"])
-    assert "".join(nb["cells"][0]["source"]).startswith("# Demo chapter"), "title stays first"
+    shown = [c for c in nb["cells"] if "remove-cell" not in c["metadata"].get("tags", [])]
+    assert "".join(shown[0]["source"]).startswith("# Demo chapter"), "title first on the page"
+    assert runner.INSTALL_TAG in nb["cells"][0]["metadata"]["tags"], "install cell first"
     assert (p.assets("demo") / "figures" / "demo-random-walk.png").exists()
     assert (p.assets("demo") / "claims" / "demo-mean-small.json").exists()
     outputs = json.dumps([c.get("outputs", []) for c in nb["cells"]])
@@ -146,7 +148,8 @@ def test_cli_reports_bad_parameters(demo_project):
 
 
 def test_cli_failure_exits_nonzero(demo_project):
-    proc = _cli(demo_project, "run", "demo", "--scale", "smoke", "-p", "fail_at", "compute")
+    proc = _cli(demo_project, "run", "demo", "--scale", "smoke", "-p", "fail_at", "compute",
+                "--publish")
     assert proc.returncode == 1
     assert "[FAILED" in proc.stdout and "RuntimeError" in proc.stdout
 
@@ -245,7 +248,8 @@ def test_interrupt_leaves_published_outputs_byte_identical(interrupt_project, tm
         os.kill(proc.pid, signal.SIGINT)
         expected = 130
     else:
-        proc = _start_run(p, "-p", "marker", str(marker), "-p", "sleep_seconds", "600")
+        proc = _start_run(p, "-p", "marker", str(marker), "-p", "sleep_seconds", "600",
+                          "--publish")
         _wait_for(marker.exists, "the kernel executed the compute cell", proc)
         if point == "cell-sigint-group":  # Ctrl-C at a terminal: the whole process group
             os.killpg(proc.pid, signal.SIGINT)
@@ -378,7 +382,7 @@ def test_hung_cell_times_out_naming_the_cell_and_marks_stale(interrupt_project):
     good = json.loads(p.run_record("demo").read_text())
     assert good["status"] == "ok"
     proc = _cli(p, "run", "demo", "--scale", "smoke", "--force", "-p", "hang", "true",
-                "--timeout", "5", timeout=SAFETY_DEADLINE)
+                "--timeout", "5", "--publish", timeout=SAFETY_DEADLINE)
     assert proc.returncode == 1, proc.stderr
     record = json.loads(p.run_record("demo").read_text())
     assert record["status"] == "failed"
@@ -455,3 +459,300 @@ def test_staging_of_a_killed_run_is_removed(demo_project):
     (dead / "demo.ipynb").write_text("{}")
     assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
     assert not dead.exists()
+
+
+# --------------------------------------------------------------------------- scales, nproc
+CHAPTERS = ["hasse", "context_similarity", "gradient_flow", "sbm_transformer"]
+
+
+def test_parse_scale_spec_plain_publish_and_mixed():
+    assert runner.parse_scale_spec(None, CHAPTERS) == dict.fromkeys(CHAPTERS)
+    assert runner.parse_scale_spec("ci", CHAPTERS) == dict.fromkeys(CHAPTERS, "ci")
+    assert runner.parse_scale_spec("publish", CHAPTERS) == runner.PUBLISH_SCALES
+    mixed = "hasse=paper,gradient_flow=paper,context_similarity=paper,sbm_transformer=ci"
+    assert runner.parse_scale_spec(mixed, CHAPTERS) == runner.PUBLISH_SCALES
+    assert runner.parse_scale_spec(" smoke , hasse = paper", CHAPTERS) == {
+        "hasse": "paper", "context_similarity": "smoke", "gradient_flow": "smoke",
+        "sbm_transformer": "smoke"}
+    # A chapter not in PUBLISH_SCALES keeps its default; named chapters win over 'publish'.
+    assert runner.parse_scale_spec("publish,sbm_transformer=smoke", ["demo", "sbm_transformer"]
+                                   ) == {"demo": None, "sbm_transformer": "smoke"}
+    assert set(runner.PUBLISH_SCALES.values()) <= set(runner.prov.SCALES)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("huge", r"unknown scale 'huge'; expected one of smoke, ci, paper, 'publish'"),
+    ("hasse=huge", r"unknown scale 'huge' for chapter 'hasse'"),
+    ("nosuch=ci", r"unknown chapter 'nosuch' in 'nosuch=ci'; chapters: hasse"),
+    ("ci,paper", "more than one default scale"),
+    ("hasse=ci,hasse=paper", "chapter 'hasse' is given twice"),
+    ("", "expected a scale"),
+])
+def test_parse_scale_spec_errors(spec, match):
+    with pytest.raises(ChapterError, match=match):
+        runner.parse_scale_spec(spec, CHAPTERS)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_check_nproc_rejects(bad):
+    with pytest.raises(ChapterError, match="nproc: expected a positive integer"):
+        runner.check_nproc(bad)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["build", "--scale", "demo=huge"], "unknown scale 'huge' for chapter 'demo'"),
+    (["build", "--scale", "nosuch=ci"], "unknown chapter 'nosuch'"),
+    (["build", "--nproc", "0"], "--nproc: expected a positive integer number of processes"),
+    (["run", "demo", "--nproc", "two"], "--nproc: expected a positive integer"),
+    (["run", "demo", "--out", "x", "--publish"], "not allowed with argument"),
+])
+def test_cli_rejects_bad_scale_spec_and_nproc(demo_project, args, match):
+    proc = _cli(demo_project, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert match in proc.stderr, proc.stderr
+    assert not demo_project.generated.exists() or not list(demo_project.generated.rglob(
+        "*.ipynb")), "nothing ran"
+
+
+def test_nproc_reaches_the_kernel_and_the_cache_key(demo_project):
+    p = demo_project
+    src = p.source("demo")
+    src.write_text(src.read_text() + '\n```{code-cell} ipython3\nimport os\n'
+                   'print("NPROC=" + os.environ.get("COMPANION_NPROC", "unset"))\n```\n')
+    params = {"scale": "smoke", "seed": 0, "device": "auto"}
+    assert runner.cache_key(p, "demo", params, 2) != runner.cache_key(p, "demo", params, 1)
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    assert "NPROC=1" in p.notebook("demo").read_text()
+    res = run_chapter(p, "demo", scale="smoke", nproc=2, echo=quiet)
+    assert res.status == "ok", "another nproc is a cache miss"
+    assert "NPROC=2" in p.notebook("demo").read_text()
+    assert res.record["nproc"] == 2 and "--nproc 2" in res.record["command"]
+    assert run_chapter(p, "demo", scale="smoke", nproc=2, echo=quiet).status == "cached"
+
+
+# --------------------------------------------------------------------------- the page
+def test_effective_parameters_source_keeps_comments_and_layout():
+    src = ('scale = "ci"  # the scale\nseed = 0\nname = "é"\nsizes = (1,\n         2)\n'
+           "rate = 0.5\n")
+    got = runner.effective_parameters_source(
+        src, {"scale": "smoke", "seed": 0, "name": "ü", "sizes": (3, 4), "rate": 0.5})
+    assert got == 'scale = "smoke"  # the scale\nseed = 0\nname = "ü"\nsizes = (3, 4)\nrate = 0.5\n'
+    # 1 == 1.0 but a float default overridden by an int-typed value is written anew
+    assert runner.effective_parameters_source("x = 1\n", {"x": 1.0}) == "x = 1.0\n"
+    assert runner.effective_parameters_source("", {}) == ""
+
+
+def test_page_shows_one_parameters_cell_with_the_effective_values(demo_project):
+    p = demo_project
+    assert run_chapter(p, "demo", scale="smoke", overrides={"n": "21"}, echo=quiet).status == "ok"
+    nb = json.loads(p.notebook("demo").read_text())
+
+    def tags(c):
+        return c["metadata"].get("tags", [])
+
+    params = [c for c in nb["cells"] if {"parameters", "injected-parameters"} & set(tags(c))]
+    shown = [c for c in params if "remove-cell" not in tags(c)]
+    assert len(params) == 2 and len(shown) == 1
+    assert "injected-parameters" in tags(shown[0])
+    source = "".join(shown[0]["source"])
+    assert "n = 21\n" in source and 'scale = "smoke"' in source
+    assert "# > 0 keeps the kernel busy" in source, "the chapter's comments stay"
+    hidden = next(c for c in params if "parameters" in tags(c))
+    assert "n = 20\n" in "".join(hidden["source"]), "the chapter's defaults kept, off the page"
+
+
+def _record(**kw):
+    record = {"chapter": "demo", "parameters": {"scale": "ci", "seed": 0, "device": "auto"},
+              "defaults": {"scale": "ci", "seed": 0, "device": "auto"}, "device": "cpu",
+              "git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": False,
+              "repository": "https://github.com/o/r", "finished": "2026-01-01T00:00:00+00:00",
+              "seconds": 1.5, "command": "python -m companion run demo", "nproc": 1}
+    record.update(kw)
+    return record
+
+
+def test_scale_banner_says_the_scale_and_how_to_reach_paper_scale():
+    below = runner.scale_banner(_record())
+    assert "Run at ci scale, below the papers' settings" in below
+    assert "`python -m companion run demo --scale paper --device auto -p seed 0`" in below
+    paper = runner.scale_banner(_record(parameters={"scale": "paper", "seed": 0,
+                                                    "device": "auto"}))
+    assert "Run at paper scale" in paper and "below" not in paper
+    sbm = runner.scale_banner(_record(chapter="sbm_transformer"))
+    assert "--scale paper --device cuda" in sbm and "a GPU" in sbm
+    out = runner.scale_banner(_record(out="/somewhere"))
+    assert "--out DIR" in out and "--publish" not in out
+
+
+def test_run_box_links_the_commit_and_has_a_real_header():
+    box = runner.run_box(_record())
+    assert "| | |" not in box and "| Setting | Value |" in box
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert f"[`0123456789ab`](https://github.com/o/r/commit/{commit})" in box
+    assert "--out DIR -p NAME VALUE" in box
+    assert "[`" not in runner.run_box(_record(git_commit="unknown")), "no link to nowhere"
+    assert "(with uncommitted changes)" in runner.run_box(_record(git_dirty=True))
+
+
+def test_page_has_install_cell_banner_and_box_in_order(demo_project):
+    p = demo_project
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    nb = json.loads(p.notebook("demo").read_text())
+    first = nb["cells"][0]
+    assert first["cell_type"] == "code"
+    assert first["metadata"]["tags"] == [runner.INSTALL_TAG, "remove-cell"]
+    assert 'find_spec("companion") is None' in "".join(first["source"])
+    assert "attention-reproduced @ git+" in "".join(first["source"])
+    order = [t for c in nb["cells"] for t in c["metadata"].get("tags", [])
+             if t in (runner.SCALE_TAG, runner.BOX_TAG)]
+    assert order == [runner.SCALE_TAG, runner.BOX_TAG]
+    assert "".join(nb["cells"][1]["source"]) == "# Demo chapter"
+    assert runner.SCALE_TAG in nb["cells"][2]["metadata"]["tags"]
+    # run again (forced): still one of each
+    assert run_chapter(p, "demo", scale="smoke", force=True, echo=quiet).status == "ok"
+    nb = json.loads(p.notebook("demo").read_text())
+    for tag in (runner.INSTALL_TAG, runner.SCALE_TAG, runner.BOX_TAG):
+        assert sum(tag in c["metadata"].get("tags", []) for c in nb["cells"]) == 1, tag
+
+
+def test_install_cell_installs_the_commit_and_corpora_extras():
+    src = runner.install_cell_source("context_similarity", "https://github.com/o/r", "abc1234")
+    assert "'attention-reproduced[nlp] @ git+https://github.com/o/r@abc1234'" in src
+    assert '"-m", "companion.corpora", "install"' in src
+    assert runner.ENV_INSTALL_SOURCE in src and runner.ENV_PIP_ARGS in src
+    compile(src, "install-cell", "exec")  # plain Python: no IPython magics needed
+    plain = runner.install_cell_source("hasse", "https://github.com/o/r", "unknown")
+    assert "'attention-reproduced @ git+https://github.com/o/r@main'" in plain
+
+
+# --------------------------------------------------------------------------- --out
+def _all_files(folder):
+    return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
+def test_out_run_writes_its_folder_and_leaves_the_book_byte_identical(demo_project, tmp_path):
+    p = demo_project
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    before = _all_files(p.generated)
+    dirs_before = sorted(str(d) for d in p.generated.rglob("*"))
+    out = tmp_path / "explore"
+    proc = _cli(p, "run", "demo", "--scale", "smoke", "-p", "seed", "1", "--out", str(out),
+                timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _all_files(p.generated) == before, "the book is untouched, byte for byte"
+    assert sorted(str(d) for d in p.generated.rglob("*")) == dirs_before, "nothing added"
+    for rel in ("demo.ipynb", "demo.log", "run.json", "figures/demo-random-walk.png",
+                "figures/demo-random-walk.json", "tables/demo-summary.csv",
+                "claims/demo-mean-small.json", "html/demo.html"):
+        assert (out / rel).is_file(), rel
+    assert not list(out.glob(".staging-*"))
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "ok" and record["parameters"]["seed"] == 1
+    assert "--out" in record["command"]
+    nb = (out / "demo.ipynb").read_text()
+    assert runner.INSTALL_TAG in nb and runner.SCALE_TAG in nb
+    assert "./figures/demo-random-walk.png" in nb, "figures referenced beside the notebook"
+    html = (out / "html" / "demo.html").read_text()
+    assert "Demo chapter" in html and "How this page was made" in html and "<img" in html
+    # The same folder again: replaced. A folder holding something else: refused.
+    proc = _cli(p, "run", "demo", "--scale", "smoke", "-p", "seed", "2", "--out", str(out),
+                timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "run.json").read_text())["parameters"]["seed"] == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    proc = _cli(p, "run", "demo", "--out", str(other))
+    assert proc.returncode == 2 and "is not empty and holds no earlier --out run" in proc.stderr
+    proc = _cli(p, "run", "demo", "--out", str(p.generated / "mine"))
+    assert proc.returncode == 2 and "inside the book's own files" in proc.stderr
+    assert _all_files(p.generated) == before
+
+
+def test_cli_refuses_non_default_parameters_into_the_book(demo_project):
+    p = demo_project
+    proc = _cli(p, "run", "demo", "--scale", "smoke", "-p", "seed", "1")
+    assert proc.returncode == 2
+    assert "-p seed 1 is not the chapter's default" in proc.stderr
+    assert "python -m companion run demo --out DIR -p seed 1" in proc.stderr
+    assert "--publish" in proc.stderr
+    assert "[start]" not in proc.stdout and not p.notebook("demo").exists()
+    with pytest.raises(ChapterError, match="not the chapter's default"):
+        run_chapter(p, "demo", overrides={"n": 3}, publish_non_default=False, echo=quiet)
+
+
+# --------------------------------------------------------------------------- progress
+def _lines_until(proc, patterns: list[str]) -> list[str]:
+    """Lines of ``proc``'s stdout until each regex of ``patterns`` has matched one (an
+    event; the deadline is a safety net)."""
+    import queue
+    import re
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],
+                     daemon=True).start()
+    seen: list[str] = []
+    missing = list(patterns)
+    deadline = time.monotonic() + SAFETY_DEADLINE
+    while missing:
+        assert time.monotonic() < deadline, f"safety deadline: {missing} never printed: {seen}"
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            assert proc.poll() is None or not lines.empty(), f"run ended early: {seen}"
+            continue
+        seen.append(line)
+        missing = [m for m in missing if not re.search(m, line)]
+    return seen
+
+
+def test_run_prints_its_log_path_and_the_current_cell(interrupt_project, tmp_path):
+    p = interrupt_project
+    before = _published(p)
+    marker = tmp_path / "marker"
+    proc = _start_run(p, "-p", "marker", str(marker), "-p", "sleep_seconds", "600",
+                      "--publish", env_extra={runner.ENV_PROGRESS_SECONDS: "0.1"})
+    seen = _lines_until(proc, [r"^\[start\] demo .*: log \S+demo\.log",
+                               r"^\[progress\] demo: cell \d+ of \d+"])
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=SAFETY_DEADLINE)  # (its stdout is the reader thread's)
+    assert proc.returncode == 143
+    start = next(line for line in seen if line.startswith("[start]"))
+    assert ".staging" in start, "the live log, where the kernel writes now"
+    cells = [line for line in seen if "[progress]" in line and " of " in line]
+    k, n = (int(x) for x in cells[-1].split("cell ")[1].split(" (")[0].split(" of "))
+    assert 1 <= k <= n
+    _assert_unchanged(p, before, proc)
+
+
+def test_build_relays_each_runs_log_path_and_progress(interrupt_project, tmp_path):
+    p = interrupt_project
+    before = _published(p)
+    marker = tmp_path / "marker"
+    src = p.source("demo")
+    original = src.read_text()
+    src.write_text(original.replace('marker = ""', f'marker = "{marker}"')
+                   .replace("sleep_seconds = 0.0", "sleep_seconds = 600.0"))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
+                                 str(p.root), "--scale", "demo=smoke"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, runner.ENV_PROGRESS_SECONDS: "0.1"})
+        seen = _lines_until(proc, [r"^\[scales\] demo=smoke", r"^\[start\] demo .*: log \S+",
+                                   r"^\[progress\] demo: cell \d+ of \d+ \(chapter cell \d+\)"])
+        _wait_for(marker.exists, "the build's run executed the compute cell", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=SAFETY_DEADLINE)
+    finally:
+        src.write_text(original)
+    assert proc.returncode == 130, seen
+    _assert_unchanged(p, before, proc)
+
+
+def test_bad_progress_period_is_refused(demo_project):
+    proc = subprocess.run([sys.executable, "-m", "companion", "run", "demo", "--root",
+                           str(demo_project.root)], capture_output=True, text=True,
+                          env={**os.environ, runner.ENV_PROGRESS_SECONDS: "soon"})
+    assert proc.returncode == 2
+    assert "COMPANION_PROGRESS_SECONDS: expected a positive number of seconds" in proc.stderr

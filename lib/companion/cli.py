@@ -1,18 +1,38 @@
 """``python -m companion``: run chapters, build the book, check the built HTML.
 
     python -m companion run CHAPTER [--scale S] [--device D] [-p NAME VALUE]... [--force]
-                                    [--timeout SECONDS]
-    python -m companion build [--scale S] [--device D] [--jobs N] [--chapters a,b] [--force]
-                              [--timeout SECONDS]
+                                    [--timeout SECONDS] [--nproc N] [--out DIR | --publish]
+    python -m companion build [--scale SPEC] [--device D] [--jobs N] [--chapters a,b]
+                              [--force] [--timeout SECONDS] [--nproc N]
     python -m companion pages                 # regenerate figure index + report only
     python -m companion check-html [--build-dir DIR]
     python -m companion list                  # chapters and their parameters
 
+run --out DIR: the documented way to explore parameters. The run (executed notebook,
+figures, tables, claims, log, run.json and an HTML page DIR/html/CHAPTER.html) goes into
+DIR and the book (book/_generated/) is left as it is, byte for byte. Without --out a run
+replaces the book's page, so parameters other than the chapter's defaults (-p) are
+refused there unless --publish says that this is meant.
+
+build --scale SPEC: one scale for every chapter (smoke, ci, paper); "publish": each
+chapter at the largest scale it reaches on a CPU (runner.PUBLISH_SCALES: paper for hasse,
+gradient_flow, context_similarity; ci for sbm_transformer; what `make publish` builds);
+or CHAPTER=SCALE items, with at most one plain scale for the chapters not named, e.g.
+hasse=paper,gradient_flow=paper,context_similarity=paper,sbm_transformer=ci.
+
+--nproc N: processes for a chapter's scale-out (the context-similarity corpus pass and
+LRA training run under torchrun with N processes); the kernel sees COMPANION_NPROC=N,
+and N is part of the cache key. Default 1.
+
+Progress: each run prints its log path when it starts (the kernel's output, live), then
+every 30 s (COMPANION_PROGRESS_SECONDS) the cell it is executing, "cell k of N".
+
 Exit codes: 0 success (check-html: also when skipped because Chromium or chromedriver
 is missing, with the reason printed); 1 a chapter failed (or check-html found a
-problem); 2 bad input (unknown chapter or parameter, bad --timeout, a CUDA device this
-machine lacks, no built book for check-html); 130 interrupted by Ctrl-C (SIGINT), 143
-by SIGTERM, with the published outputs whole.
+problem); 2 bad input (unknown chapter, scale or parameter, bad --timeout or --nproc, a
+CUDA device this machine lacks, a refused non-default run or --out folder, no built book
+for check-html); 130 interrupted by Ctrl-C (SIGINT), 143 by SIGTERM, with the published
+outputs whole.
 
 --timeout: the longest one cell may run, in seconds; by default smoke 600, ci 1800,
 paper 86400. A cell that runs longer fails the chapter, naming the cell.
@@ -41,6 +61,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _processes(text: str) -> int:
+    """argparse type of --nproc: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer number of processes, got {text!r}")
+    return value
+
+
+def _say(line: str) -> None:
+    """Progress lines, flushed at once (a build reads its runs' output as it comes)."""
+    print(line, flush=True)
+
+
+_NPROC_HELP = ("processes for the chapters' scale-out under torchrun (the kernel's "
+               "COMPANION_NPROC; part of the cache key; default 1)")
+
 _TIMEOUT_HELP = ("longest time one cell may run, in seconds (default per scale: "
                  + ", ".join(f"{k} {v:g}" for k, v in CELL_TIMEOUT_SECONDS.items()) + ")")
 
@@ -62,16 +102,27 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, help="torch threads for the kernel")
     run.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                      help=_TIMEOUT_HELP)
+    run.add_argument("--nproc", type=_processes, default=None, metavar="N", help=_NPROC_HELP)
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None, metavar="DIR",
+                       help="write the run (notebook, figures, tables, claims, HTML page) "
+                            "into DIR and leave the book untouched: to explore parameters")
+    where.add_argument("--publish", action="store_true",
+                       help="allow non-default parameters (-p) to replace the book's page")
     run.add_argument("--root", type=Path, default=None, dest="root_sub")
 
     build = sub.add_parser("build", help="execute the chapters, then build the HTML book")
-    build.add_argument("--scale", choices=SCALES)
+    build.add_argument("--scale", default=None, metavar="SPEC",
+                       help=f"one of {', '.join(SCALES)}; 'publish' (each chapter at the "
+                            "largest scale a CPU reaches); or CHAPTER=SCALE,... items")
     build.add_argument("--device", help=f"one of {DEVICE_CHOICES} or cuda:N")
     build.add_argument("--jobs", type=int, default=1, help="chapters executed in parallel")
     build.add_argument("--chapters", default=None, help="comma-separated chapter names")
     build.add_argument("--force", action="store_true")
     build.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                        help=_TIMEOUT_HELP)
+    build.add_argument("--nproc", type=_processes, default=None, metavar="N",
+                       help=_NPROC_HELP)
     build.add_argument("--root", type=Path, default=None, dest="root_sub")
 
     pages = sub.add_parser("pages", help="regenerate the figure index and reproduction report")
@@ -113,7 +164,8 @@ def _main(argv: list[str] | None) -> int:
                 overrides[name] = value
             result = run_chapter(project, args.chapter, scale=args.scale, device=args.device,
                                  overrides=overrides, force=args.force, threads=args.threads,
-                                 timeout=args.timeout)
+                                 timeout=args.timeout, nproc=args.nproc, out=args.out,
+                                 publish_non_default=args.publish, echo=_say)
             return 0 if result.status in ("ok", "cached") else 1
         if args.command == "build":
             from companion.runner import build
@@ -122,7 +174,8 @@ def _main(argv: list[str] | None) -> int:
             if args.jobs < 1:
                 raise ChapterError(f"--jobs: expected a positive integer, got {args.jobs}")
             return build(project, scale=args.scale, device=args.device, jobs=args.jobs,
-                         chapters=chapters, force=args.force, timeout=args.timeout)
+                         chapters=chapters, force=args.force, timeout=args.timeout,
+                         nproc=args.nproc, echo=_say)
         if args.command == "pages":
             from companion.pages import write_generated_pages
 

@@ -58,6 +58,8 @@ import copy
 import hashlib
 import json
 import os
+import queue
+import re
 import shlex
 import shutil
 import signal
@@ -86,10 +88,36 @@ REQUIRED_PARAMETERS = ("scale", "seed", "device")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 STALE_TAG = "companion-stale-banner"
 BOX_TAG = "companion-run-box"
+SCALE_TAG = "companion-scale-banner"
+INSTALL_TAG = "companion-install"
+#: Jupyter Book's tag for a cell kept in the notebook but left off the page.
+REMOVE_TAG = "remove-cell"
+#: The scale each chapter of the published book is run at (``make publish``, ``build
+#: --scale publish``): the largest it reaches on a CPU. ``sbm_transformer`` needs a GPU
+#: for the papers' settings, so its page says how to run them there.
+PUBLISH_SCALES = {"hasse": "paper", "gradient_flow": "paper",
+                  "context_similarity": "paper", "sbm_transformer": "ci"}
+#: The ``--scale`` value of ``build`` that means :data:`PUBLISH_SCALES`.
+PUBLISH = "publish"
+#: What each scale is, in the words of the scale banner at the top of a page.
+SCALE_MEANING = {"smoke": "the test suite's size: seconds of work, nothing to conclude from",
+                 "ci": "reduced sizes that a CPU runs in minutes",
+                 "paper": "the papers' own settings"}
+#: Extras of the distribution a downloaded notebook installs, per chapter (base: none).
+NOTEBOOK_EXTRAS = {"context_similarity": ("nlp",)}
 # Longest time one cell may run, per scale, unless --timeout says otherwise. Generous:
 # they exist to stop a hung run, not to police a slow machine.
 CELL_TIMEOUT_SECONDS = {"smoke": 600.0, "ci": 1800.0, "paper": 86400.0}
 ENV_TEST_PAUSE_AT = "COMPANION_TEST_PAUSE_AT"
+#: Processes for the chapters' scale-out (torchrun), read by :mod:`companion.parallel`.
+ENV_NPROC = "COMPANION_NPROC"
+#: Seconds between two progress lines of a running chapter (default 30).
+ENV_PROGRESS_SECONDS = "COMPANION_PROGRESS_SECONDS"
+PROGRESS_SECONDS = 30.0
+#: The install cell of a downloaded notebook: a pip requirement (or local path) that
+#: replaces the package at the notebook's commit, and extra pip arguments (shell words).
+ENV_INSTALL_SOURCE = "COMPANION_INSTALL_SOURCE"
+ENV_PIP_ARGS = "COMPANION_PIP_ARGS"
 
 
 class ChapterError(Exception):
@@ -278,6 +306,108 @@ def resolve_parameters(defaults: dict[str, Any], overrides: dict[str, Any]) -> d
     return resolved
 
 
+def non_default_parameters(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The parameters (other than scale and device) whose value is not the chapter's default.
+
+    >>> non_default_parameters({"scale": "ci", "seed": 1, "device": "cpu", "n": 4},
+    ...                        {"scale": "ci", "seed": 0, "device": "auto", "n": 4})
+    {'seed': 1}
+    """
+    return {k: v for k, v in params.items()
+            if k not in ("scale", "device") and v != defaults.get(k)}
+
+
+def parse_scale_spec(spec: str | None, chapters: list[str]) -> dict[str, str | None]:
+    """Each chapter's scale from the ``--scale`` value of ``build``.
+
+    Parameters
+    ----------
+    spec
+        None (every chapter at its default scale); a scale (``"ci"``); ``"publish"``
+        (:data:`PUBLISH_SCALES`); or comma-separated items, each a scale or ``publish``
+        (for the chapters not named) or ``CHAPTER=SCALE``, e.g.
+        ``"hasse=paper,gradient_flow=paper,context_similarity=paper,sbm_transformer=ci"``.
+    chapters
+        The chapters to run.
+
+    Returns
+    -------
+    dict
+        Chapter name -> scale, or None for the chapter's default.
+
+    Raises
+    ------
+    ChapterError
+        An unknown scale or chapter, a chapter named twice, two defaults.
+
+    >>> parse_scale_spec("ci,hasse=paper", ["hasse", "sbm_transformer"])
+    {'hasse': 'paper', 'sbm_transformer': 'ci'}
+    """
+    scales: dict[str, str | None] = {name: None for name in chapters}
+    if spec is None:
+        return scales
+    if not isinstance(spec, str) or not spec.strip():
+        raise ChapterError(f"--scale: expected a scale ({', '.join(prov.SCALES)}), "
+                           f"{PUBLISH!r} or CHAPTER=SCALE items, got {spec!r}")
+    items = [item.strip() for item in spec.split(",")]
+    defaults = [item for item in items if "=" not in item]
+    named = [item for item in items if "=" in item]
+    if len(defaults) > 1:
+        raise ChapterError(f"--scale: more than one default scale in {spec!r} ({defaults}); "
+                           "give one, and CHAPTER=SCALE for the others")
+    for item in defaults:
+        if item == PUBLISH:
+            scales.update({n: s for n, s in PUBLISH_SCALES.items() if n in scales})
+        elif item in prov.SCALES:
+            scales = {name: item for name in scales}
+        else:
+            raise ChapterError(f"--scale: unknown scale {item!r}; expected one of "
+                               f"{', '.join(prov.SCALES)}, {PUBLISH!r} or CHAPTER=SCALE")
+    seen: set[str] = set()
+    for item in named:
+        name, _, scale = (part.strip() for part in item.partition("="))
+        if name not in chapters:
+            raise ChapterError(f"--scale: unknown chapter {name!r} in {item!r}; chapters: "
+                               f"{', '.join(chapters) or 'none'}")
+        if scale not in prov.SCALES:
+            raise ChapterError(f"--scale: unknown scale {scale!r} for chapter {name!r}; "
+                               f"expected one of {', '.join(prov.SCALES)}")
+        if name in seen:
+            raise ChapterError(f"--scale: chapter {name!r} is given twice in {spec!r}")
+        seen.add(name)
+        scales[name] = scale
+    return scales
+
+
+def check_nproc(nproc: Any) -> int:
+    """``nproc`` (processes for a chapter's scale-out) as a positive int; 1 for None.
+
+    >>> check_nproc(None), check_nproc(4)
+    (1, 4)
+    """
+    if nproc is None:
+        return 1
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ChapterError(f"nproc: expected a positive integer number of processes, "
+                           f"got {nproc!r}")
+    return nproc
+
+
+def progress_seconds() -> float:
+    """Seconds between two progress lines: ``$COMPANION_PROGRESS_SECONDS`` or 30."""
+    text = os.environ.get(ENV_PROGRESS_SECONDS, "").strip()
+    if not text:
+        return PROGRESS_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ChapterError(f"{ENV_PROGRESS_SECONDS}: expected a positive number of seconds, "
+                           f"got {text!r}")
+    return value
+
+
 # --------------------------------------------------------------------------- cache key
 def installed_versions() -> list[str]:
     from importlib import metadata
@@ -287,14 +417,15 @@ def installed_versions() -> list[str]:
     )
 
 
-def cache_key(project: Project, name: str, params: dict[str, Any]) -> str:
-    """Hash of everything a chapter's outputs depend on."""
+def cache_key(project: Project, name: str, params: dict[str, Any], nproc: int = 1) -> str:
+    """Hash of everything a chapter's outputs depend on (``nproc``: its processes)."""
     h = hashlib.sha256()
     h.update(project.source(name).read_bytes())
     for path in sorted((project.lib_dir).rglob("*.py")):
         h.update(str(path.relative_to(project.lib_dir)).encode())
         h.update(path.read_bytes())
     h.update(json.dumps(params, sort_keys=True, default=str).encode())
+    h.update(f"nproc={nproc}".encode())
     h.update("\n".join(installed_versions()).encode())
     return h.hexdigest()
 
@@ -324,15 +455,42 @@ def load_record(project: Project, name: str,
 
 
 # --------------------------------------------------------------------------- notebook edits
-def rerun_command(name: str, params: dict[str, Any], defaults: dict[str, Any]) -> str:
+def rerun_command(name: str, params: dict[str, Any], defaults: dict[str, Any],
+                  nproc: int = 1, out: str | None = None) -> str:
+    """The ``python -m companion run`` command that re-executes a run with ``params``.
+
+    Non-default parameters are given with ``-p``; without ``out`` they replace the book's
+    page, so the command then says ``--publish`` (see :func:`run_chapter`).
+
+    >>> rerun_command("hasse", {"scale": "ci", "seed": 0, "device": "auto", "n": 8},
+    ...               {"scale": "ci", "seed": 0, "device": "auto", "n": 4})
+    'python -m companion run hasse --scale ci --device auto -p seed 0 -p n 8 --publish'
+    """
     parts = ["python", "-m", "companion", "run", name,
              "--scale", str(params["scale"]), "--device", str(params["device"])]
+    if nproc != 1:
+        parts += ["--nproc", str(nproc)]
     for key, value in params.items():
         if key in ("scale", "device"):
             continue
         if key == "seed" or value != defaults.get(key):
             parts += ["-p", key, str(value)]
+    if out is not None:
+        parts += ["--out", out]
+    elif non_default_parameters(params, defaults):
+        parts.append("--publish")
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def paper_scale_command(record: dict[str, Any]) -> str:
+    """The command that runs the chapter of ``record`` at paper scale (on a GPU where a CPU
+    does not reach it: :data:`PUBLISH_SCALES`)."""
+    name = record["chapter"]
+    params = dict(record["parameters"], scale="paper")
+    if PUBLISH_SCALES.get(name, "paper") != "paper":
+        params["device"] = "cuda"
+    return rerun_command(name, params, record.get("defaults", params),
+                         record.get("nproc", 1), "DIR" if record.get("out") else None)
 
 
 def _insert_after_title(nb, cell) -> None:
@@ -364,31 +522,194 @@ def _markdown_cell(source: str, tag: str):
     return cell
 
 
+def _commit_text(record: dict[str, Any]) -> str:
+    """The run's commit as a link to it in the repository (plain when unknown)."""
+    from companion import site
+
+    commit = str(record.get("git_commit") or "unknown")
+    short = f"`{commit[:12]}`"
+    repository = record.get("repository")
+    if not repository or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        return short
+    return f"[{short}]({site.commit_url(repository, commit)})"
+
+
 def run_box(record: dict[str, Any]) -> str:
+    """The box under the title: how the page was made, and how to make it again."""
     params = ", ".join(f"`{k}={v!r}`" for k, v in record["parameters"].items())
-    dirty = " (uncommitted changes)" if record.get("git_dirty") else ""
+    dirty = " (with uncommitted changes)" if record.get("git_dirty") else ""
+    rows = [("Parameters", params), ("Scale", f"`{record['parameters']['scale']}`"),
+            ("Device", f"`{record['device']}`")]
+    if record.get("nproc", 1) != 1:
+        rows.append(("Processes", f"{record['nproc']} (torchrun)"))
+    rows += [("Commit", _commit_text(record) + dirty),
+             ("Executed", f"{record['finished']} in {record['seconds']:.1f} s")]
+    table = "| Setting | Value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    explore = (f"python -m companion run {record['chapter']} --scale "
+               f"{record['parameters']['scale']} --out DIR -p NAME VALUE")
     return (
         "```{admonition} How this page was made\n:class: note\n\n"
-        f"| | |\n|---|---|\n"
-        f"| Parameters | {params} |\n"
-        f"| Scale | `{record['parameters']['scale']}` |\n"
-        f"| Device | `{record['device']}` |\n"
-        f"| Commit | `{record['git_commit'][:12]}`{dirty} |\n"
-        f"| Executed | {record['finished']} in {record['seconds']:.1f} s |\n\n"
-        f"Re-execute with: `{record['command']}`\n```"
+        f"{table}\n"
+        f"Re-execute with: `{record['command']}`\n\n"
+        f"Explore other parameters, leaving the book as it is: `{explore}` writes the run "
+        "(notebook, figures, tables, claims and an HTML page) into `DIR`.\n```"
     )
 
 
+def scale_banner(record: dict[str, Any]) -> str:
+    """The banner at the top of a page: the scale it was run at; below paper scale, the
+    command that runs it at paper scale."""
+    scale = record["parameters"]["scale"]
+    meaning = SCALE_MEANING.get(scale, scale)
+    if scale == "paper":
+        return ("```{admonition} Run at paper scale\n:class: tip " + SCALE_TAG + "\n\n"
+                f"Every number, figure and verdict on this page comes from a run at scale "
+                f"`paper`: {meaning}.\n```")
+    gpu = ("" if PUBLISH_SCALES.get(record["chapter"], "paper") == "paper" else
+           f" (a GPU: on a CPU this chapter is published at scale "
+           f"`{PUBLISH_SCALES[record['chapter']]}`)")
+    return (f"```{{admonition}} Run at {scale} scale, below the papers' settings\n"
+            f":class: warning {SCALE_TAG}\n\n"
+            f"This page was run at scale **`{scale}`** ({meaning}), not at the papers' "
+            "settings: its numbers, figures and verdicts come from smaller experiments than "
+            f"the papers'. To run it at paper scale{gpu}: `{paper_scale_command(record)}`\n```")
+
+
 def stale_banner(record: dict[str, Any], good: dict[str, Any] | None) -> str:
-    when = f" from {good['finished']} (commit `{good['git_commit'][:12]}`)" if good else ""
+    when = f" from {good['finished']} (commit {_commit_text(good)})" if good else ""
     return (
         "```{danger} Stale outputs\n"
         f"The last run of this chapter ({record['finished']}, commit "
-        f"`{record['git_commit'][:12]}`) **failed**: {record['error']}.\n"
+        f"{_commit_text(record)}) **failed**: {record['error']}.\n"
         + (f"Everything below is the last good run{when}, not the current code."
            if good else "No good run of this chapter exists: nothing below was computed.")
         + "\n```"
     )
+
+
+def _tags(cell) -> list[str]:
+    return cell.get("metadata", {}).get("tags", [])
+
+
+def _add_tag(cell, tag: str) -> None:
+    tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+    if tag not in tags:
+        tags.append(tag)
+
+
+def effective_parameters_source(source: str, params: dict[str, Any]) -> str:
+    """The parameters cell ``source`` with each assigned value replaced by ``params``'.
+
+    Comments and layout stay; a value equal to the written default stays as written.
+
+    >>> effective_parameters_source('seed = 0  # the seed\nn = 4\n', {"seed": 3, "n": 4})
+    'seed = 3  # the seed\nn = 4\n'
+    """
+    tree = ast.parse(source)
+    lines = source.split("\n")
+    edits = []
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id in params):
+            continue
+        value, written = params[node.targets[0].id], ast.literal_eval(node.value)
+        if written == value and type(written) is type(value):
+            continue
+        text = repr(value)
+        if isinstance(value, str) and isinstance(written, str) and (
+                ast.get_source_segment(source, node.value) or "").startswith('"'):
+            text = json.dumps(value, ensure_ascii=False)  # the chapter's quotes (a str without escapes)
+            if ast.literal_eval(text) != value:
+                text = repr(value)
+        edits.append((node.value.lineno - 1, node.value.col_offset,
+                      node.value.end_lineno - 1, node.value.end_col_offset, text))
+    for first, col, last, end_col, text in sorted(edits, reverse=True):
+        head = lines[first].encode()[:col].decode()  # ast offsets count UTF-8 bytes
+        tail = lines[last].encode()[end_col:].decode()
+        lines[first:last + 1] = [head + text + tail]
+    return "\n".join(lines)
+
+
+def show_one_parameters_cell(nb, params: dict[str, Any]) -> None:
+    """Leave one parameters cell on the page: papermill's injected one, with the effective
+    values written as the chapter writes them (its comments kept).
+
+    The chapter's own ``parameters`` cell stays in the notebook (papermill needs it to run
+    the notebook again) but is tagged ``remove-cell``, off the page.
+    """
+    original = next((c for c in nb.cells if "parameters" in _tags(c)), None)
+    injected = next((c for c in nb.cells if "injected-parameters" in _tags(c)), None)
+    if original is None or injected is None:
+        return
+    with contextlib.suppress(SyntaxError, ValueError):
+        injected.source = ("# Parameters of this run\n"
+                           + effective_parameters_source(original.source, params))
+    for tag in _tags(original):
+        if tag != "parameters":
+            _add_tag(injected, tag)
+    _add_tag(original, REMOVE_TAG)
+
+
+def install_cell_source(name: str, repository: str, commit: str) -> str:
+    """The first cell of an executed notebook: installs ``companion`` when it is missing.
+
+    In a clone of the repository (or under the runner) ``companion`` imports and the cell
+    does nothing. Elsewhere (a notebook downloaded from the book) it installs the package
+    at ``commit`` with pip, then the corpora (``python -m companion.corpora install``), and
+    sends the chapter's outputs to ``companion-outputs/<name>/`` beside the notebook.
+    ``$COMPANION_INSTALL_SOURCE`` replaces the requirement (a local checkout, say) and
+    ``$COMPANION_PIP_ARGS`` adds pip arguments.
+    """
+    from companion import site
+
+    ref = commit if re.fullmatch(r"[0-9a-f]{7,40}", commit) else "main"
+    requirement = site.install_spec(repository or site.PLACEHOLDER_REPOSITORY, ref)
+    extras = NOTEBOOK_EXTRAS.get(name)
+    if extras and requirement.startswith(f"{site.DISTRIBUTION} @"):
+        requirement = requirement.replace(site.DISTRIBUTION,
+                                          f"{site.DISTRIBUTION}[{','.join(extras)}]", 1)
+    return f"""# Set-up for a notebook downloaded from the book (hidden on the page). In a clone of
+# the repository `companion` imports and this cell does nothing; elsewhere it installs the
+# library at the commit that made this notebook, and the corpora the chapters read.
+import importlib, importlib.util, os, shlex, subprocess, sys
+if importlib.util.find_spec("companion") is None:
+    _requirement = os.environ.get({ENV_INSTALL_SOURCE!r}) or {requirement!r}
+    _pip_args = shlex.split(os.environ.get({ENV_PIP_ARGS!r}, ""))
+    print("installing", _requirement, "(pip install)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *_pip_args, _requirement],
+                   check=True)
+    importlib.invalidate_caches()
+    if subprocess.run([sys.executable, "-m", "companion.corpora", "install"]).returncode:
+        print("warning: the corpora were not installed; only the context-similarity "
+              "chapter needs them")
+    os.environ.setdefault({prov.ENV_OUTPUT_DIR!r},
+                          os.path.abspath(os.path.join("companion-outputs", {name!r})))
+    import companion  # noqa: F401  (if this fails, restart the kernel and run again)
+"""
+
+
+def add_install_cell(nb, name: str, repository: str, commit: str) -> None:
+    """Put the install cell (:func:`install_cell_source`) first, tagged ``remove-cell``."""
+    import nbformat
+
+    _strip_tagged(nb, INSTALL_TAG)
+    cell = nbformat.v4.new_code_cell(install_cell_source(name, repository, commit))
+    cell.metadata["tags"] = [INSTALL_TAG, REMOVE_TAG]
+    nb.cells.insert(0, cell)
+
+
+def finish_notebook(executed, record: dict[str, Any]) -> None:
+    """What the runner adds to an executed notebook before it is shown: the install cell,
+    one parameters cell, the scale banner and the run box under the title."""
+    _strip_tagged(executed, STALE_TAG)
+    _strip_tagged(executed, SCALE_TAG)
+    _strip_tagged(executed, BOX_TAG)
+    show_one_parameters_cell(executed, record["parameters"])
+    # inserted after the title in reverse order: the banner ends up first
+    _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
+    _insert_after_title(executed, _markdown_cell(scale_banner(record), SCALE_TAG))
+    add_install_cell(executed, record["chapter"], record.get("repository") or "",
+                     str(record.get("git_commit") or "unknown"))
 
 
 def _strip_tagged(nb, tag: str) -> None:
@@ -503,20 +824,53 @@ class _Execution:
     cell_index: int | None = None  # the cell being executed when it stopped
 
 
+@dataclass
+class _Progress:
+    """Where a running chapter is, for its progress lines (see :func:`progress_line`)."""
+
+    name: str
+    code_cells: int  # in the executed notebook: the chapter's and papermill's injected one
+    started: float = field(default_factory=time.monotonic)
+    code_cell: int = 0  # the code cell being executed (1-based; 0: none yet)
+    cell_started: float = 0.0
+    chapter_cell: int | None = None  # its number in the chapter as written
+
+
+def progress_line(progress: _Progress, now: float | None = None) -> str:
+    """``[progress] NAME: cell k of N (chapter cell c) for s, t in all``."""
+    now = time.monotonic() if now is None else now
+    total = f"{now - progress.started:.0f} s in all"
+    if not progress.code_cell:
+        return f"[progress] {progress.name}: starting the kernel, {total}"
+    where = (f" (chapter cell {progress.chapter_cell})"
+             if progress.chapter_cell is not None else "")
+    return (f"[progress] {progress.name}: cell {progress.code_cell} of {progress.code_cells}"
+            f"{where} running for {now - progress.cell_started:.0f} s, {total}")
+
+
 def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: dict[str, Any],
-                      cwd: Path, timeout: float) -> _Execution:
+                      cwd: Path, timeout: float, progress: _Progress | None = None,
+                      echo: Callable[[str], None] | None = None,
+                      parameters_cell: int = 0) -> _Execution:
     """Run papermill in a worker thread, waiting in the main thread (see interrupt_guard).
 
-    On an interrupt the kernel is killed, the worker is waited for (it ends once nbclient
-    sees the dead kernel) and the interrupt is re-raised.
+    Every :func:`progress_seconds` the main thread echoes a :func:`progress_line`. On an
+    interrupt the kernel is killed, the worker is waited for (it ends once nbclient sees
+    the dead kernel) and the interrupt is re-raised.
     """
     import papermill as pm
 
     tracker = _KernelTracker()
     outcome = _Execution()
+    period = progress_seconds()
 
     def on_cell_start(cell, cell_index, **_):
         outcome.cell_index = cell_index
+        if progress is not None and cell.cell_type == "code":
+            progress.code_cell += 1
+            progress.cell_started = time.monotonic()
+            progress.chapter_cell = (None if "injected-parameters" in _tags(cell) else
+                                     _chapter_cell_number(cell_index, parameters_cell))
 
     def work() -> None:
         try:
@@ -534,8 +888,13 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
     worker = threading.Thread(target=work, name="papermill", daemon=True)
     try:
         worker.start()
+        next_report = time.monotonic() + period
         while worker.is_alive():
-            worker.join(timeout=0.5)
+            worker.join(timeout=min(0.5, period))
+            if progress is not None and echo is not None and worker.is_alive() and (
+                    time.monotonic() >= next_report):
+                echo(progress_line(progress))
+                next_report = time.monotonic() + period
         raise_if_interrupted()
     except KeyboardInterrupt:
         with signals_deferred():
@@ -633,9 +992,12 @@ def run_chapter(
     force: bool = False,
     threads: int | None = None,
     timeout: float | None = None,
+    nproc: int | None = None,
+    out: str | os.PathLike | None = None,
+    publish_non_default: bool = True,
     echo: Callable[[str], None] = print,
 ) -> RunResult:
-    """Execute one chapter into ``book/_generated/`` (see the module docstring).
+    """Execute one chapter into ``book/_generated/``, or into ``out`` (see the module docstring).
 
     Parameters
     ----------
@@ -650,6 +1012,18 @@ def run_chapter(
     timeout
         Longest time one cell may run, in seconds; None: :data:`CELL_TIMEOUT_SECONDS`
         of the scale.
+    nproc
+        Processes for the chapter's scale-out (``$COMPANION_NPROC`` of the kernel, read by
+        :mod:`companion.parallel`); part of the cache key. None: 1.
+    out
+        A folder for the run instead of the book: the executed notebook, figures, tables,
+        claims, log, ``run.json`` and an HTML page (``html/<name>.html``). The book
+        (``book/_generated/``) is not touched; there is no cache. The folder must be new,
+        empty or an earlier ``out`` run (which is replaced).
+    publish_non_default
+        False refuses (ChapterError) to publish into the book a run whose parameters are
+        not the chapter's defaults (``python -m companion run`` without ``--publish``): a
+        reader exploring parameters must not replace the book's page by accident.
     echo
         Where progress lines go.
 
@@ -661,17 +1035,31 @@ def run_chapter(
     Raises
     ------
     ChapterError
-        Unknown chapter, bad parameters or timeout, unavailable CUDA device (nothing is
-        run or marked stale).
+        Unknown chapter, bad parameters, timeout or nproc, unavailable CUDA device, a
+        refused non-default run or ``out`` folder (nothing is run or marked stale).
     RunInterrupted
         SIGINT or SIGTERM (a KeyboardInterrupt); the published outputs are whole.
     """
     with interrupt_guard():
         nb, pidx, defaults, params = _prepare(project, name, scale, device, overrides)
         timeout = check_timeout(timeout) or default_timeout(params["scale"])
+        nproc = check_nproc(nproc)
+        progress_seconds()  # a bad $COMPANION_PROGRESS_SECONDS is refused before the run
         check_device_available(str(params["device"]))
+        if out is not None:
+            folder = check_out_folder(project, out)
+            return _execute_into_folder(project, name, nb, pidx, defaults, params, folder,
+                                        threads, timeout, nproc, echo)
+        changed = non_default_parameters(params, defaults)
+        if changed and not publish_non_default:
+            given = " ".join(f"-p {k} {shlex.quote(str(v))}" for k, v in changed.items())
+            raise ChapterError(
+                f"chapter {name!r}: {given} is not the chapter's default, and a run without "
+                "--out replaces the book's page (book/_generated/). To explore parameters, "
+                f"write the run into a folder of its own: python -m companion run {name} "
+                f"--out DIR {given}; to replace the book's page on purpose, add --publish.")
         with chapter_lock(project, name, echo):
-            key = cache_key(project, name, params)
+            key = cache_key(project, name, params, nproc)
             previous = load_record(project, name, echo)
             if (not force and previous and previous.get("status") == "ok"
                     and previous.get("cache_key") == key and project.notebook(name).exists()):
@@ -679,7 +1067,156 @@ def run_chapter(
                      "(use --force to re-run)")
                 return RunResult(name, "cached", 0.0, record=previous)
             return _execute_and_publish(project, name, nb, pidx, defaults, params, key,
-                                        previous, threads, timeout, echo)
+                                        previous, threads, timeout, echo, nproc)
+
+
+# --------------------------------------------------------------------------- --out
+#: What a run into a folder (``run --out DIR``) writes there, besides ``<name>.ipynb``,
+#: ``<name>.failed.ipynb`` and ``<name>.log``.
+OUT_ENTRIES = ("figures", "tables", "claims", "html", "run.json")
+
+
+def check_out_folder(project: Project, out: str | os.PathLike) -> Path:
+    """``out`` resolved, when it may receive a run: not inside the book's generated or built
+    files, and new, empty or an earlier ``--out`` run (with its ``run.json``)."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
+        raise ChapterError(f"--out: expected a folder path, got {out!r}")
+    folder = Path(out).expanduser().resolve()
+    for protected in (project.generated, project.build_dir):
+        if folder == protected or protected in folder.parents:
+            raise ChapterError(f"--out: {folder} is inside the book's own files ({protected}); "
+                               "choose a folder outside book/_generated and book/_build")
+    if folder.exists() and not folder.is_dir():
+        raise ChapterError(f"--out: {folder} exists and is not a folder")
+    if folder.is_dir():
+        entries = [e for e in folder.iterdir() if not e.name.startswith(".staging-")]
+        record = folder / "run.json"
+        earlier = False
+        if record.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                earlier = "out" in json.loads(record.read_text())
+        if entries and not earlier:
+            raise ChapterError(f"--out: {folder} is not empty and holds no earlier --out run "
+                               "(run.json); choose a new or empty folder")
+    return folder
+
+
+def _html_page(project: Project, folder: Path, name: str,
+               echo: Callable[[str], None]) -> Path | None:
+    """Build ``folder/html/<name>.html`` from ``folder/<name>.ipynb`` (a one-page Jupyter
+    Book, the book's MyST settings; maths from the local MathJax when there is one)."""
+    import yaml
+
+    config = {
+        "title": name, "only_build_toc_files": False,
+        "execute": {"execute_notebooks": "off"},
+        "parse": {"myst_enable_extensions": ["amsmath", "colon_fence", "dollarmath"]},
+        "sphinx": {"extra_extensions": ["sphinx_proof"], "config": {
+            "nb_execution_mode": "off", "nb_output_stderr": "remove",
+            "nb_render_markdown_format": "myst",
+            "nb_mime_priority_overrides": [["html", "text/markdown", 0]],
+            "numfig": True, "suppress_warnings": ["mystnb.unknown_mime_type"]}},
+    }
+    bib = project.root / "book" / "references.bib"
+    if bib.exists():
+        shutil.copyfile(bib, folder / "references.bib")
+        config["bibtex_bibfiles"] = ["references.bib"]
+    mathjax = project.root / "book" / "_static" / "mathjax" / "tex-chtml.js"
+    if mathjax.exists():
+        config["sphinx"]["config"]["mathjax_path"] = mathjax.as_uri()
+    (folder / "_config.yml").write_text(yaml.safe_dump(config))
+    build_root = folder / "_build"
+    cmd = [jupyter_book_executable(), "build", "--config", str(folder / "_config.yml"),
+           "--path-output", str(folder), str(folder / f"{name}.ipynb")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
+    built = build_root / "_page" / name / "html"
+    try:
+        if proc.returncode != 0 or not (built / f"{name}.html").exists():
+            (folder / f"{name}.html.log").write_text(proc.stdout + "\n" + proc.stderr)
+            echo(f"[warning] {name}: the HTML page was not built (log: "
+                 f"{folder.parent / (name + '.html.log')})")
+            return None
+        os.replace(built, folder / "html")
+        return folder / "html" / f"{name}.html"
+    finally:
+        shutil.rmtree(build_root, ignore_errors=True)
+        for leftover in ("_config.yml", "references.bib"):
+            with contextlib.suppress(FileNotFoundError):
+                (folder / leftover).unlink()
+
+
+def _move_into(folder: Path, staging: Path) -> None:
+    """Replace the earlier run in ``folder`` (the files its run.json lists) by ``staging``'s."""
+    earlier = folder / "run.json"
+    old: list[str] = []
+    if earlier.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            old = list(json.loads(earlier.read_text()).get("files", []))
+    for entry in old:
+        path = folder / entry
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == "run.json"):
+        os.replace(path, folder / path.name)  # run.json last
+
+
+def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: dict,
+                         params: dict, folder: Path, threads: int | None, timeout: float,
+                         nproc: int, echo: Callable[[str], None]) -> RunResult:
+    """``run --out DIR``: execute the chapter into ``folder``; the book is not touched."""
+    commit, dirty = prov.git_state(project.root)
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder / f".staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    input_nb = staging / f".{name}.input.ipynb"
+    output_nb = staging / f"{name}.ipynb"
+    log = staging / f"{name}.log"
+    env_updates = _kernel_env(name, staging, ".", commit, dirty, threads, nproc)
+    started = time.time()
+    record = _new_record(project, name, params, defaults, nproc, commit, dirty, str(folder))
+    record["out"] = str(folder)
+    try:
+        staging.mkdir()
+        _write_notebook(nb, input_nb)
+        echo(f"[start] {name} (scale={params['scale']}, device={params['device']}) into "
+             f"{folder}: log {folder / log.name}")
+        progress = _Progress(name, _code_cells(nb))
+        with _kernel_environment(env_updates):
+            outcome = _execute_notebook(input_nb, output_nb, log, params, project.root,
+                                        timeout, progress, echo, pidx)
+        error = _execution_error(outcome, pidx, timeout)
+        input_nb.unlink()
+        record.update(seconds=time.time() - started, finished=prov.now_iso())
+        raise_if_interrupted()
+        html = None
+        if error is None:
+            executed = read_notebook_ipynb(output_nb)
+            record.update(status="ok", device=_detected_device(params["device"]))
+            finish_notebook(executed, record)
+            _write_notebook(executed, output_nb)
+            html = _html_page(project, staging, name, echo)
+        else:
+            record.update(status="failed", error=error)
+            if output_nb.exists():
+                os.replace(output_nb, staging / f"{name}.failed.ipynb")
+        record["files"] = sorted(p.name for p in staging.iterdir()) + ["run.json"]
+        prov.atomic_write_text(staging / "run.json", prov.dumps(record))
+        raise_if_interrupted()
+        with signals_deferred():
+            _move_into(folder, staging)
+    finally:
+        with signals_deferred():
+            shutil.rmtree(staging, ignore_errors=True)
+    if record["status"] == "ok":
+        page = f"open {folder / 'html' / (name + '.html')}" if html else "no HTML page"
+        echo(f"[ok {record['seconds']:.1f}s] {name} into {folder} ({page}; notebook "
+             f"{folder / (name + '.ipynb')})")
+        return RunResult(name, "ok", record["seconds"], record=record)
+    echo(f"[FAILED {record['seconds']:.1f}s] {name}: {record['error']} "
+         f"(log: {folder / log.name})")
+    return RunResult(name, "failed", record["seconds"], error=record["error"], record=record)
 
 
 def _prepare(project: Project, name: str, scale, device, overrides):
@@ -718,9 +1255,46 @@ def _kernel_environment(updates: dict[str, str]):
                 os.environ[k] = v
 
 
+def _kernel_env(name: str, output_dir: Path, asset_url: str, commit: str, dirty: bool,
+                threads: int | None, nproc: int) -> dict[str, str]:
+    """The environment through which the runner talks to the executing chapter."""
+    env = {
+        prov.ENV_OUTPUT_DIR: str(output_dir),
+        prov.ENV_ASSET_URL: asset_url,
+        prov.ENV_CHAPTER: name,
+        prov.ENV_COMMIT: commit,
+        prov.ENV_DIRTY: "1" if dirty else "0",
+        ENV_NPROC: str(nproc),
+        "PYTHONHASHSEED": "0",
+        "MPLBACKEND": "Agg",
+    }
+    if threads:
+        env.update({prov.ENV_THREADS: str(threads), "OMP_NUM_THREADS": str(threads),
+                    "MKL_NUM_THREADS": str(threads)})
+    return env
+
+
+def _new_record(project: Project, name: str, params: dict, defaults: dict, nproc: int,
+                commit: str, dirty: bool, out: str | None = None) -> dict[str, Any]:
+    from companion import site
+
+    return {
+        "chapter": name, "parameters": params, "defaults": defaults, "nproc": nproc,
+        "git_commit": commit, "git_dirty": dirty, "repository": site.repository_url(project.root),
+        "started": prov.now_iso(), "command": rerun_command(name, params, defaults, nproc, out),
+        "device": params["device"],
+    }
+
+
+def _code_cells(nb) -> int:
+    """Code cells papermill executes: the notebook's and the injected parameters cell."""
+    return sum(c.cell_type == "code" for c in nb.cells) + 1
+
+
 def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: dict,
                          params: dict, key: str, previous: dict | None, threads: int | None,
-                         timeout: float, echo: Callable[[str], None]) -> RunResult:
+                         timeout: float, echo: Callable[[str], None],
+                         nproc: int = 1) -> RunResult:
     commit, dirty = prov.git_state(project.root)
     gen = project.generated
     remove_dead_staging(project, name)
@@ -729,32 +1303,21 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
     input_nb = staging / f"{name}.input.ipynb"
     output_nb = staging / f"{name}.ipynb"
     staged_log = staging / f"{name}.log"
-    env_updates = {
-        prov.ENV_OUTPUT_DIR: str(staging_assets),
-        prov.ENV_ASSET_URL: f"../assets/{name}",
-        prov.ENV_CHAPTER: name,
-        prov.ENV_COMMIT: commit,
-        prov.ENV_DIRTY: "1" if dirty else "0",
-        "PYTHONHASHSEED": "0",
-        "MPLBACKEND": "Agg",
-    }
-    if threads:
-        env_updates.update({prov.ENV_THREADS: str(threads), "OMP_NUM_THREADS": str(threads),
-                            "MKL_NUM_THREADS": str(threads)})
+    env_updates = _kernel_env(name, staging_assets, f"../assets/{name}", commit, dirty,
+                              threads, nproc)
     started = time.time()
-    record: dict[str, Any] = {
-        "chapter": name, "parameters": params, "defaults": defaults, "cache_key": key,
-        "git_commit": commit, "git_dirty": dirty, "started": prov.now_iso(),
-        "command": rerun_command(name, params, defaults),
-        "device": params["device"],
-    }
+    record = _new_record(project, name, params, defaults, nproc, commit, dirty)
+    record["cache_key"] = key
     try:
         staging_assets.mkdir(parents=True)
         _write_notebook(nb, input_nb)
-        echo(f"[start] {name} (scale={params['scale']}, device={params['device']})")
+        echo(f"[start] {name} (scale={params['scale']}, device={params['device']}"
+             + (f", {nproc} processes" if nproc != 1 else "")
+             + f"): log {staged_log} (then {project.log(name)})")
+        progress = _Progress(name, _code_cells(nb))
         with _kernel_environment(env_updates):
             outcome = _execute_notebook(input_nb, output_nb, staged_log, params,
-                                        project.root, timeout)
+                                        project.root, timeout, progress, echo, pidx)
         error = _execution_error(outcome, pidx, timeout)
         if error is None:
             executed = read_notebook_ipynb(output_nb)
@@ -764,8 +1327,7 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
         with signals_deferred():
             if error is None:
                 record["status"] = "ok"
-                _strip_tagged(executed, STALE_TAG)
-                _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
+                finish_notebook(executed, record)
                 _publish(project, name, executed, staging_assets, staged_log)
                 prov.atomic_write_text(project.run_record(name), prov.dumps(record))
             else:
@@ -884,51 +1446,79 @@ def write_placeholder(project: Project, name: str) -> None:
 
 
 # --------------------------------------------------------------------------- build
-def run_many(project: Project, names: list[str], *, scale: str | None, device: str | None,
-             jobs: int, force: bool, timeout: float | None = None,
+def _relay_output(proc: subprocess.Popen, name: str, lines: list[str],
+                  live: queue.Queue) -> None:
+    """Read a child run's output line by line as it comes (so the pipe never fills)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        live.put((name, line.rstrip("\n")))
+
+
+def run_many(project: Project, names: list[str], *,
+             scale: str | dict[str, str | None] | None, device: str | None,
+             jobs: int, force: bool, timeout: float | None = None, nproc: int | None = None,
              echo: Callable[[str], None] = print) -> list[RunResult]:
     """Execute chapters in parallel processes, torch threads divided between them.
+
+    ``scale`` is one scale for all, or a mapping chapter -> scale (None: its default).
+    Each child's lines (its start with its log path, its progress every
+    :func:`progress_seconds`, its result) are echoed as they come.
 
     On SIGINT or SIGTERM (a KeyboardInterrupt here) every running child gets SIGTERM,
     which makes it kill its kernel and remove its staging folder; they are waited for
     (killed after a generous deadline) and the interrupt is re-raised.
     """
+    scales = scale if isinstance(scale, dict) else {name: scale for name in names}
     jobs = max(1, min(jobs, len(names) or 1))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     pending = list(names)
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    running: dict[str, tuple[subprocess.Popen, float, threading.Thread, list[str]]] = {}
     results: list[RunResult] = []
-    last_beat = time.time()
+    live: queue.Queue[tuple[str, str]] = queue.Queue()
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def echo_live() -> None:
+        while True:
+            try:
+                _name, line = live.get_nowait()
+            except queue.Empty:
+                return
+            if line.startswith("["):
+                echo(line)
+
     try:
         while pending or running:
-            if running and time.time() - last_beat >= 60:
-                last_beat = time.time()
-                echo("[running] " + ", ".join(f"{n} {time.time() - t0:.0f}s"
-                                               for n, (_, t0) in running.items()))
             while pending and len(running) < jobs:
                 name = pending.pop(0)
                 cmd = [sys.executable, "-m", "companion", "run", name, "--root", str(project.root),
                        "--threads", str(threads)]
-                if scale:
-                    cmd += ["--scale", scale]
+                if scales.get(name):
+                    cmd += ["--scale", str(scales[name])]
                 if device:
                     cmd += ["--device", device]
+                if nproc is not None:
+                    cmd += ["--nproc", str(nproc)]
                 if force:
                     cmd.append("--force")
                 if timeout is not None:
                     cmd += ["--timeout", repr(timeout)]
-                running[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, text=True),
-                                 time.time())
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, env=child_env)
+                lines: list[str] = []
+                reader = threading.Thread(target=_relay_output, args=(proc, name, lines, live),
+                                          name=f"relay-{name}", daemon=True)
+                reader.start()
+                running[name] = (proc, time.time(), reader, lines)
             time.sleep(0.2)
-            for name, (proc, t0) in list(running.items()):
+            echo_live()
+            for name, (proc, t0, reader, lines) in list(running.items()):
                 if proc.poll() is None:
                     continue
-                out = proc.stdout.read() if proc.stdout else ""
+                reader.join()
+                echo_live()
+                out = "".join(lines)
                 del running[name]
-                for line in out.splitlines():
-                    if line.startswith("[") and not line.startswith("[start]"):
-                        echo(line)
                 record = load_record(project, name) or {}
                 if proc.returncode == 0:
                     status = "cached" if "[cached]" in out else "ok"
@@ -941,7 +1531,7 @@ def run_many(project: Project, names: list[str], *, scale: str | None, device: s
                                              record=record))
     except KeyboardInterrupt:
         with signals_deferred():
-            _stop_children([proc for proc, _ in running.values()])
+            _stop_children([proc for proc, *_ in running.values()])
         raise
     return results
 
@@ -996,13 +1586,16 @@ def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
     return html
 
 
-def build(project: Project, *, scale: str | None = None, device: str | None = None,
-          jobs: int = 1, chapters: list[str] | None = None, force: bool = False,
-          timeout: float | None = None, echo: Callable[[str], None] = print) -> int:
+def build(project: Project, *, scale: str | dict[str, str | None] | None = None,
+          device: str | None = None, jobs: int = 1, chapters: list[str] | None = None,
+          force: bool = False, timeout: float | None = None, nproc: int | None = None,
+          echo: Callable[[str], None] = print) -> int:
     """Execute chapters, then build the book. Returns the exit code (non-zero on failure).
 
-    ``timeout`` (seconds per cell) is passed to every run; an unavailable CUDA device
-    is refused before any chapter starts.
+    ``scale`` is a ``--scale`` value (:func:`parse_scale_spec`: a scale, ``publish``, or
+    ``CHAPTER=SCALE`` items) or a mapping chapter -> scale. ``timeout`` (seconds per
+    cell) and ``nproc`` are passed to every run; an unavailable CUDA device is refused
+    before any chapter starts.
     """
     names = chapters or project.chapter_names()
     unknown = [n for n in names if not project.source(n).exists()]
@@ -1010,12 +1603,18 @@ def build(project: Project, *, scale: str | None = None, device: str | None = No
         raise ChapterError(
             f"unknown chapter(s) {unknown}; available: {', '.join(project.chapter_names())}"
         )
+    scales = scale if isinstance(scale, dict) else parse_scale_spec(scale, names)
     timeout = check_timeout(timeout)
+    if nproc is not None:
+        check_nproc(nproc)
+    progress_seconds()
     if device is not None:
         check_device_available(device)
     t0 = time.time()
-    results = run_many(project, names, scale=scale, device=device, jobs=jobs, force=force,
-                       timeout=timeout, echo=echo)
+    if any(scales.values()):
+        echo("[scales] " + ", ".join(f"{n}={scales.get(n) or 'default'}" for n in names))
+    results = run_many(project, names, scale=scales, device=device, jobs=jobs, force=force,
+                       timeout=timeout, nproc=nproc, echo=echo)
     failed = [r for r in results if r.status == "failed"]
     build_html(project, echo=echo)
     echo(f"[done {time.time() - t0:.1f}s] {len(results) - len(failed)} chapter(s) fresh, "
