@@ -6,10 +6,12 @@ PY := $(VENV)/bin/python
 SCALE ?= ci
 DEVICE ?= auto
 JOBS ?= 2
+# Processes for the chapters' scale-out under torchrun (--nproc; COMPANION_NPROC).
+NPROC ?= 1
 MATHJAX_VERSION := 3.2.2
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup book test bench check-html pages pdf clean distclean
+.PHONY: setup book publish test bench check-html pages pdf clean distclean
 
 setup: $(STAMP) book/_static/mathjax/tex-chtml.js
 	@$(MAKE) --no-print-directory browser
@@ -41,8 +43,19 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "setup: chromium/chromedriver missing and not root: the browser check will be skipped"; fi
 
+# The quick book (CI, newcomers): every chapter at SCALE (default ci). SCALE may also be
+# `publish` or CHAPTER=SCALE items, e.g. SCALE=ci,hasse=paper (see `python -m companion
+# build --help`).
 book: setup
-	$(PY) -m companion build --scale $(SCALE) --device $(DEVICE) --jobs $(JOBS)
+	$(PY) -m companion build --scale $(SCALE) --device $(DEVICE) --jobs $(JOBS) --nproc $(NPROC)
+	@$(MAKE) --no-print-directory check-html
+
+# The book a reader sees online: each chapter at the largest scale it reaches on a CPU
+# (lib/companion/runner.py, PUBLISH_SCALES: paper for hasse, gradient_flow and
+# context_similarity, ci for sbm_transformer). `make publish NPROC=4` runs the chapters'
+# scale-out (corpus pass, LRA training) with 4 processes.
+publish: setup
+	$(PY) -m companion build --scale publish --device $(DEVICE) --jobs $(JOBS) --nproc $(NPROC)
 	@$(MAKE) --no-print-directory check-html
 
 check-html: setup
