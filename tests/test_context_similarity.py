@@ -24,6 +24,7 @@ from companion.context_similarity import (
     SimilarityStats,
     analyse_batch,
     analyse_corpus,
+    encoder_layers,
     head_outputs,
     load_encoder,
     similarity_matrices,
@@ -31,6 +32,7 @@ from companion.context_similarity import (
     wo_gram,
 )
 from companion.corpora import Corpus, Document, Windows, windows
+from conftest import REPO
 
 TEXT = [
     Document("d0", [
@@ -140,6 +142,40 @@ def test_head_outputs_and_similarities_match_per_head_reference(minilm64):
     kept = similarity_matrices(ho.outputs, zero_diagonal=False)
     torch.testing.assert_close(kept.diagonal(dim1=-2, dim2=-1), (ho.outputs ** 2).sum(-1))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_return_hidden_gives_the_models_final_hidden_states_from_the_same_pass(
+        minilm64, tiny_model_dir, dtype):
+    """return_hidden=True: the pass runs to the end and ``hidden`` is the model's own
+    ``last_hidden_state`` (padding included); outputs and maps are unchanged."""
+    model = minilm64[0] if dtype == torch.float64 else load_encoder(device="cpu")[0]
+    tok = minilm64[1]
+    w = _small_windows(tok, length=23)[:3]  # odd length
+    batch = w.batch()
+    batch["attention_mask"] = batch["attention_mask"].clone()
+    batch["attention_mask"][1, -4:] = 0
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    plain = head_outputs(model, inputs)
+    assert plain.hidden is None
+    full = head_outputs(model, inputs, return_hidden=True)
+    with torch.no_grad():
+        own = model(**inputs).last_hidden_state
+    assert full.hidden.dtype == dtype and full.hidden.shape == own.shape
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(full.hidden, own, atol=tol, rtol=0)
+    assert torch.equal(full.outputs, plain.outputs)
+    assert torch.equal(full.attentions, plain.attentions)
+    post = head_outputs(model, inputs, where="post_wo", return_hidden=True)
+    torch.testing.assert_close(post.hidden, own, atol=tol, rtol=0)
+    tiny, _ = load_encoder(tiny_model_dir, device="cpu")  # another size, 2 layers
+    small = {k: v[:, :20] for k, v in inputs.items()}
+    with torch.no_grad():
+        own_tiny = tiny(**small).last_hidden_state
+    torch.testing.assert_close(head_outputs(tiny, small, return_hidden=True).hidden,
+                               own_tiny, atol=1e-5, rtol=0)
+    with pytest.raises(TypeError, match="return_hidden"):
+        head_outputs(model, inputs, return_hidden="yes")
 
 
 def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):
@@ -970,6 +1006,26 @@ def test_load_encoder_from_a_path_and_missing_models(tiny_model_dir, tmp_path):
         load_encoder(tmp_path / "empty", device="cpu")
     with pytest.raises(TypeError, match="name_or_path"):
         load_encoder(42)
+
+
+def test_the_chapter_model_parameter_selects_a_local_checkpoint_folder(tiny_model_dir):
+    """``-p model FOLDER`` on the command line reaches load_encoder as that folder.
+
+    The chapter's parameters cell is read as the runner reads it; the override is the
+    string a shell passes; the chapter calls ``cs.load_encoder(model, ...)`` with it.
+    """
+    from companion import runner
+
+    nb = runner.read_notebook(REPO / "chapters" / "context_similarity.md")
+    defaults = runner.parse_parameters(nb.cells[runner.parameters_cell_index(nb)].source)
+    assert defaults["model"] is None  # the bundled model by default
+    params = runner.resolve_parameters(defaults, {"model": str(tiny_model_dir)})
+    assert params["model"] == str(tiny_model_dir)
+    model, tok = load_encoder(params["model"], device="cpu")
+    assert model.config.num_hidden_layers == 2 and len(encoder_layers(model)) == 2
+    assert tok("a b").input_ids[0] == tok.cls_token_id
+    ho = head_outputs(model, tok(["the cat sat ."], return_tensors="pt"))
+    assert ho.outputs.shape[1:3] == (2, 4) and ho.attentions.shape[1:3] == (2, 4)
 
 
 def test_bad_input_raises_clear_errors(minilm64, tiny_model_dir):
