@@ -57,6 +57,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from companion._validate import check_bool
 from companion.devices import resolve_device
 
 __all__ = [
@@ -252,10 +253,12 @@ def separator_ids(tokenizer, separators=DEFAULT_SEPARATORS) -> dict[str, int]:
 
 
 class HeadOutputs(NamedTuple):
-    """Per-head output vectors and attention maps of one batch."""
+    """Per-head output vectors and attention maps of one batch (and, on request, the
+    final hidden states of the same forward pass)."""
 
     outputs: torch.Tensor  # [B, L, H, T, d] (pre_wo) or [B, L, H, T, D] (post_wo)
     attentions: torch.Tensor  # [B, L, H, T, T], rows are queries
+    hidden: torch.Tensor | None = None  # [B, T, D] last_hidden_state (return_hidden=True)
 
 
 def _heads(model) -> tuple[int, int, int]:
@@ -365,7 +368,8 @@ def wo_gram(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
+def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = False
+                 ) -> HeadOutputs:
     """Every head's output vector for every token, and the attention maps.
 
     A forward pre-hook on each layer's ``attention.output.dense`` (the ``W_O``
@@ -388,12 +392,26 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
         after ``W_O``, ``W_O^h z^{lh}_i`` (size ``D``; the bias of ``W_O`` is not split
         among heads, so the heads' contributions plus that bias give the layer's
         attention output before dropout, residual and LayerNorm).
+    return_hidden : bool
+        Also return the model's final hidden states (``last_hidden_state``) from the same
+        forward pass, which then runs to the end instead of stopping after the last
+        layer's attention: one pass gives what a head-output analysis and a baseline on
+        the final hidden states both need.
 
     Returns
     -------
-    HeadOutputs(outputs, attentions)
-        ``outputs`` [B, L, H, T, d] (or [B, L, H, T, D]); ``attentions`` [B, L, H, T, T],
-        both in the model's dtype (float32 and float64 are tested).
+    HeadOutputs(outputs, attentions, hidden)
+        ``outputs`` [B, L, H, T, d] (or [B, L, H, T, D]); ``attentions`` [B, L, H, T, T];
+        ``hidden`` [B, T, D] with ``return_hidden=True``, else None; all in the model's
+        dtype (float32 and float64 are tested).
+
+    Examples
+    --------
+    >>> model, tok = load_encoder(device="cpu")  # doctest: +SKIP
+    >>> ho = head_outputs(model, tok(["A cat sat."], return_tensors="pt"),
+    ...                   return_hidden=True)  # doctest: +SKIP
+    >>> ho.outputs.shape[1:3], ho.hidden.shape[-1]  # doctest: +SKIP
+    (torch.Size([6, 12]), 384)
 
     Raises
     ------
@@ -411,14 +429,16 @@ def head_outputs(model, batch, where: str = "pre_wo") -> HeadOutputs:
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
-    z, attentions, _ = _head_outputs_raw(model, _batch_tensors(batch, model))
+    return_hidden = check_bool("return_hidden", return_hidden)
+    hidden = [] if return_hidden else None
+    z, attentions, _ = _head_outputs_raw(model, _batch_tensors(batch, model), hidden=hidden)
     if where == "post_wo":
         layers = encoder_layers(model)
         n_layers, n_heads, d = _heads(model)
         w = torch.stack([layer.attention.output.dense.weight for layer in layers])  # [L,D,H*d]
         w = w.view(n_layers, w.shape[1], n_heads, d)
         z = torch.einsum("blhtd,lohd->blhto", z, w)
-    return HeadOutputs(z, torch.stack(attentions, dim=1))
+    return HeadOutputs(z, torch.stack(attentions, dim=1), hidden[0] if return_hidden else None)
 
 
 # The attention maps come from our own registered attention function: the eager
@@ -533,10 +553,11 @@ _STOP_AFTER_LAST_ATTENTION = True
 
 @torch.no_grad()
 def _head_outputs_raw(model, tensors, workspace: dict | None = None,
-                      content: torch.Tensor | None = None):
+                      content: torch.Tensor | None = None, hidden: list | None = None):
     """Pre-W_O head outputs [B, L, H, T, d], the per-layer attention maps (a tuple) and,
     with ``content`` ([B, T] query weights), the attention each key receives from those
-    queries, [B, L, H, T] (else None).
+    queries, [B, L, H, T] (else None). With a ``hidden`` list, the pass runs to the end
+    and the final hidden states [B, T, D] are appended to it.
 
     The outputs are a view of a ``[L, H, B, T, d]`` tensor; with a ``workspace`` dict,
     outputs and maps live in buffers kept there and overwritten by the next call.
@@ -555,7 +576,7 @@ def _head_outputs_raw(model, tensors, workspace: dict | None = None,
     def make_hook(index):
         def hook(module, args):
             captured[index] = args[0]
-            if index == n_layers - 1 and _STOP_AFTER_LAST_ATTENTION:
+            if index == n_layers - 1 and _STOP_AFTER_LAST_ATTENTION and hidden is None:
                 raise _ForwardDone
 
         return hook
@@ -572,7 +593,9 @@ def _head_outputs_raw(model, tensors, workspace: dict | None = None,
         inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
                   if tensors.get(k) is not None}
         config._attn_implementation = ATTENTION_INTO_BUFFER
-        model(**inputs, **{_SINK_KWARG: maps})
+        out = model(**inputs, **{_SINK_KWARG: maps})
+        if hidden is not None:
+            hidden.append(out.last_hidden_state)
     except _ForwardDone:
         pass
     finally:
