@@ -121,17 +121,36 @@ def state_in(dtype, n, H, seed=11, P=2, d=3):
     return x, D
 
 
-@pytest.mark.parametrize("path", ["fused", "chunked"])
-@pytest.mark.parametrize("regime", list(REGIMES))
-@pytest.mark.parametrize("n, H", [(1, 1), (7, 1), (7, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, regime, path,
-                                                                monkeypatch):
-    if path == "chunked":
-        monkeypatch.setattr(gf, "_FLASH_CPU", None)
+KERNEL_PATHS = ("whole", "blocks", "shifted", "reference")
+
+
+def use_kernel_path(path, monkeypatch, n, H):
+    """Force one evaluation of step_quantities (or the library's plain reference).
+
+    whole: every U^h in one block (the default at small sizes); blocks: symmetric blocks
+    of 2 query rows (ragged last block for odd n); shifted: the max-shifted general path
+    in row chunks of 13 logits; reference: gf.reference_step_quantities. Returns the
+    function to call.
+    """
+    if path == "blocks":
+        monkeypatch.setitem(gf._BLOCK_ELEMENTS, "cpu", 2 * n * H)
+    elif path == "shifted":
+        monkeypatch.setattr(gf, "_unshifted_exp_limit", lambda dtype, n, heads: -1.0)
         orig = gf._softmax_moments
         monkeypatch.setattr(gf, "_softmax_moments",  # several row chunks, odd sizes
                             lambda q, k, v: orig(q, k, v, max_chunk_elements=13))
+    if path == "reference":
+        return gf.reference_step_quantities
+    return gf.step_quantities
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("n, H", [(1, 1), (7, 1), (7, 3), (11, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, regime, path,
+                                                                monkeypatch):
+    step = use_kernel_path(path, monkeypatch, n, H)
     x, D = state_in(dtype, n, H)
     P, _, d = x.shape
     dt, t, sign = 0.05, 0.7, -1
@@ -139,7 +158,7 @@ def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, reg
     f = process.drift(D, t)
     z = torch.randn(P, H, d, d, generator=torch.Generator().manual_seed(3), dtype=dtype)
     dW = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2 if process.sigma > 0 else None
-    q = gf.step_quantities(x, D, sign=sign, drift=f, sigma=process.sigma, noise=dW)
+    q = step(x, D, sign=sign, drift=f, sigma=process.sigma, noise=dW)
     assert all(v.dtype == dtype for v in q.values())
 
     x64, D64 = x.double().numpy(), D.double().numpy()
@@ -155,6 +174,71 @@ def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, reg
     else:
         assert_close_scaled(q["martingale_increment"], ref["dM"], rtol,
                             what="martingale_increment")
+
+
+QUANTITIES = ("velocity", "energy", "energy_rate", "slope_sq", "dissipation",
+              "martingale_increment", "Z")
+
+
+@pytest.mark.parametrize("path", ["whole", "blocks", "shifted"])
+@pytest.mark.parametrize("P, n, H, d", [(1, 1, 1, 3), (3, 29, 1, 3), (2, 41, 9, 3),
+                                        (2, 23, 5, 2), (1, 17, 3, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fast_step_matches_the_plain_reference_step(dtype, P, n, H, d, path, monkeypatch):
+    """The kernel and the library's plain reference (dense [P, H, n, n] tensors, the
+    paper's equations as printed) agree to the dtype's rounding, quantity by quantity,
+    at odd sizes, one head, and d = 2, 3, 4, with drift and noise."""
+    step = use_kernel_path(path, monkeypatch, n, H)
+    g = torch.Generator().manual_seed(n + H)
+    x = gf.uniform_sphere(n, d, g, paths=P).to(dtype)
+    x = x / x.norm(dim=-1, keepdim=True)
+    D = gf.initial_weights(H, d, g, paths=P).to(dtype)
+    z = torch.randn(P, H, d, d, generator=g).to(dtype)
+    dW = 0.1 * (z + z.transpose(-1, -2))
+    kw = dict(sign=1, drift=gf.OrnsteinUhlenbeck().drift(D, 0.0), sigma=1.3, noise=dW)
+    fast = step(x, D, **kw)
+    ref = gf.reference_step_quantities(x.double(), D.double(),
+                                       **{**kw, "drift": kw["drift"].double(),
+                                          "noise": dW.double()})
+    for key in QUANTITIES:
+        assert fast[key].shape == ref[key].shape, key
+        assert_close_scaled(fast[key], ref[key].numpy(), DTYPE_RTOL[dtype], what=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_large_weights_take_the_shifted_path(dtype, monkeypatch):
+    """|D| = 100 makes exp(<x, D x>) overflow float32's safe range (not float64's): the
+    float32 step switches to the max-shifted path by itself and stays exact to rounding."""
+    calls = []
+    orig = gf._shifted_exp_moments
+    monkeypatch.setattr(gf, "_shifted_exp_moments",
+                        lambda *a: calls.append(1) or orig(*a))
+    g = torch.Generator().manual_seed(5)
+    x = gf.uniform_sphere(9, 3, g, paths=2)
+    D = gf.initial_weights(2, 3, g, paths=2)
+    D = 100 * D / torch.linalg.matrix_norm(D, ord=2, keepdim=True)
+    fast = gf.step_quantities(x.to(dtype), D.to(dtype))
+    ref = gf.reference_step_quantities(x.to(dtype).double(), D.to(dtype).double())
+    assert len(calls) == (1 if dtype == torch.float32 else 0)
+    for key in ("velocity", "energy", "slope_sq", "dissipation", "Z"):
+        assert torch.isfinite(fast[key]).all(), key
+        assert_close_scaled(fast[key], ref[key].numpy(), DTYPE_RTOL[dtype], what=key)
+
+
+def test_velocity_and_simulate_read_the_same_step_bit_for_bit():
+    """velocity() is step_quantities' velocity, and simulate's first record and first
+    Euler step are step_quantities' numbers: identical bits, not just close."""
+    g = torch.Generator().manual_seed(8)
+    x = gf.octahedral_tokens(31, paths=2, generator=g)
+    D = gf.initial_weights(5, 3, g, paths=2)
+    q = gf.step_quantities(x, D)  # Frozen: no drift, no noise
+    assert torch.equal(gf.velocity(x, D), q["velocity"])
+    dt = 0.01
+    traj = gf.simulate(x, D, gf.Frozen(), T=dt, dt=dt)
+    for key in ("energy", "slope_sq", "dissipation"):
+        assert torch.equal(traj.__dict__[key][0], q[key]), key
+    y = x + dt * q["velocity"]
+    assert torch.equal(traj.positions[1], y / y.norm(dim=-1, keepdim=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -242,19 +326,23 @@ def test_simulate_in_both_dtypes_matches_float64_reference(dtype, n, H, regime):
         assert_close_scaled(getattr(traj, key), ref[rkey], rtol, scale, what=key)
 
 
-def test_chunked_fallback_matches_fused_kernel(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_shifted_path_matches_symmetric_kernel(dtype, monkeypatch):
     g = torch.Generator().manual_seed(2)
-    x = gf.uniform_sphere(17, 3, g, paths=2)
-    D = gf.initial_weights(4, 3, g, paths=2)
-    fused = gf.step_quantities(x, D, sigma=1.0, drift=D)
-    monkeypatch.setattr(gf, "_FLASH_CPU", None)
+    x = gf.uniform_sphere(17, 3, g, paths=2).to(dtype)
+    x = x / x.norm(dim=-1, keepdim=True)
+    D = gf.initial_weights(4, 3, g, paths=2).to(dtype)
+    monkeypatch.setitem(gf._BLOCK_ELEMENTS, "cpu", 3 * 17 * 4)  # blocks of 3 rows
+    symmetric = gf.step_quantities(x, D, sigma=1.0, drift=D)
+    monkeypatch.setattr(gf, "_unshifted_exp_limit", lambda dtype, n, heads: -1.0)
     # a small chunk budget forces several row chunks
     orig = gf._softmax_moments
     monkeypatch.setattr(gf, "_softmax_moments",
                         lambda q, k, v: orig(q, k, v, max_chunk_elements=100))
-    chunked = gf.step_quantities(x, D, sigma=1.0, drift=D)
-    for key in ("velocity", "energy", "energy_rate", "slope_sq", "dissipation", "Z"):
-        torch.testing.assert_close(fused[key], chunked[key], rtol=1e-12, atol=1e-14)
+    shifted = gf.step_quantities(x, D, sigma=1.0, drift=D)
+    for key in QUANTITIES:
+        assert_close_scaled(shifted[key], symmetric[key].double().numpy(),
+                            DTYPE_RTOL[dtype], what=key)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

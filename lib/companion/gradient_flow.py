@@ -44,14 +44,18 @@ The paper's numerics replace :math:`\\mathcal D` by the slope
 several distinct heads they do not, and the energy balance written with ``G^2`` holds only
 as an inequality. :func:`simulate` records both residuals.
 
-Implementation. One step costs the ``H n^2`` exponentials the model needs and nothing
-more: all heads of one path attend to the same keys and values (the tokens), so the
-``H`` heads are stacked into ``H n`` query rows of one attention call per path, and the
-drift, energy, rates and slopes are read off the softmax moments
-(:math:`Z`, :math:`\\sum_j w_{ij} x_j` and, with noise, :math:`\\sum_j w_{ij} x_j x_j^\\top`).
-On CPU the fused flash-attention kernel is used (no ``n x n`` matrix is stored); elsewhere a
-row-chunked evaluation bounded by ``max_chunk_elements``. Memory is
-:math:`O(P H n d^2)` plus one chunk; no ``[paths, heads, n, n, d]`` tensor is formed.
+Implementation. :func:`step_quantities` reads the drift, energy, rates and slopes off
+the softmax moments (:math:`\\sum_j U^h_{ij}`, :math:`\\sum_j U^h_{ij} x_j` and, with noise,
+:math:`\\sum_{ij} U^h_{ij}(1 + \\langle x_i, x_j\\rangle^2)`). Because every ``D_h`` is
+symmetric, so is every ``U^h``: a block of query rows is exponentiated once against the keys
+at and after it, and the same exponentials are handed, transposed, to the later rows; a
+step costs about :math:`H n^2 / 2` exponentials per path instead of :math:`H n^2`. All heads
+of a block are one GEMM (``D_h x_i`` computed once and reused for every key), one
+vectorised ``exp2`` and two GEMMs for the moments; no ``n x n`` matrix per head is stored
+and memory is :math:`O(P H n d)` plus one cache-sized block. Weights so large that unshifted
+exponentials could overflow take a max-shifted, row-chunked path.
+:func:`reference_step_quantities` is the same step written as the equations above with
+dense ``[P, H, n, n]`` tensors, the reference the kernel is tested against.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ __all__ = [
     "octahedral_tokens",
     "oscillating_target",
     "pairwise_inner_stats",
+    "reference_step_quantities",
     "simulate",
     "step_quantities",
     "uniform_sphere",
@@ -332,32 +337,114 @@ _PROCESSES = (OrnsteinUhlenbeck, Oscillating, Frozen)
 
 
 # ----------------------------------------------------------------- softmax moments
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_LOG2E = 1.0 / math.log(2.0)
+# Exponentials per block of the symmetric kernel: on CPU a block and its moments stay in
+# one core's cache (measured best at n = 200, H = 100 on a 1 MiB-L2 core); elsewhere one
+# block per group of paths (few, large kernel launches).
+_BLOCK_ELEMENTS = {"cpu": 1 << 19}
+_DEFAULT_BLOCK_ELEMENTS = 1 << 25
+
+
+def _unshifted_exp_limit(dtype: torch.dtype, n: int, heads: int) -> float:
+    """Largest ``c`` with every ``exp(l)``, ``|l| <= c``, and every sum of ``4 n^2 H`` of
+    them representable as a normal number of ``dtype`` (no shift needed)."""
+    info = torch.finfo(dtype)
+    return min(math.log(info.max) - math.log(4.0 * n * n * heads), -math.log(info.tiny))
+
+
+def _symmetric_exp_moments(tokens, weights, with_ito: bool):
+    """Unnormalised softmax moments from the upper triangle of each ``U^h``, or None.
+
+    ``U^h_ij = exp(<x_i, D_h x_j>)`` is symmetric in ``(i, j)`` because ``D_h`` is, so
+    each head needs only ``n (n + 1) / 2`` exponentials. Returns ``S [P, n, d + 1, H]``
+    with ``S[p, i, 0, h] = sum_j U^h_ij`` and ``S[p, i, 1 + a, h] = sum_j U^h_ij x_ja``,
+    and (``with_ito``) ``T [P] = sum_{h, i, j} U^h_ij (1 + <x_i, x_j>^2)``. None when the
+    logits could leave the range where unshifted exponentials are exact to rounding
+    (``|<x_i, D_h x_j>| <= |D_h|_F max |x|^2`` above :func:`_unshifted_exp_limit`).
+
+    Layout: all heads of a block of query rows ``I`` are one GEMM against the keys
+    ``j >= min I`` (logits ``[j, (i, h)]``, reusing ``D_h x_i`` for every key), one
+    vectorised ``exp2`` (the weights carry ``log2 e``), one GEMM for the row sums over
+    ``j`` and one batched GEMM that hands the same exponentials, transposed, to the rows
+    ``j`` beyond the block. Per step: ``P H n (n + c) / 2`` exponentials for blocks of
+    ``c`` rows, ``O(P H n d)`` memory besides one block.
+    """
+    P, n, d = tokens.shape
+    H = weights.shape[1]
+    bound = (weights * weights).sum((-1, -2)).amax().sqrt() * (tokens * tokens).sum(-1).amax()
+    if not bool(bound <= _unshifted_exp_limit(tokens.dtype, n, H)):
+        return None
+    target = _BLOCK_ELEMENTS.get(tokens.device.type, _DEFAULT_BLOCK_ELEMENTS)
+    if P * n * n * H <= 4 * target:  # little work: whole matrices, paths in groups (fewer calls)
+        rows, group = n, max(1, min(P, target // (n * n * H)))
+    else:  # blocks of rows; at least three, or symmetry saves little
+        rows, group = max(1, min(target // (n * H), -(-n // 3))), 1
+    kw = {"dtype": tokens.dtype, "device": tokens.device}
+    # queries[p, a, i, h] = log2(e) (D_h x_i)_a: computed once, read by every key block
+    scaled = (weights * _LOG2E).permute(0, 2, 3, 1)  # [P, d, d, H]
+    queries = torch.matmul(tokens.unsqueeze(1), scaled)  # [P, d, n, H]
+    values_t = torch.cat([torch.ones(P, 1, n, **kw), tokens.transpose(1, 2)], 1)  # [P, d+1, n]
+    sums = torch.empty(P, n, d + 1, H, **kw)
+    head_sums = torch.empty(P, n, n, **kw) if with_ito else None  # [p, j, i]
+    if rows == n:
+        for p0 in range(0, P, group):
+            ps = slice(p0, min(P, p0 + group))
+            u = torch.bmm(tokens[ps], queries[ps].reshape(-1, d, n * H)).exp2_()  # [g, j, iH]
+            sums[ps] = torch.bmm(values_t[ps], u).view(-1, d + 1, n, H).transpose(1, 2)
+            if with_ito:
+                torch.sum(u.view(-1, n, n, H), -1, out=head_sums[ps])
+    else:
+        if with_ito:
+            head_sums.zero_()  # entries j < min I of i's block I stay 0
+        # one buffer for every block (a fresh one per block would start cold in the cache)
+        buffer = torch.empty(n * rows * H, **kw)
+        row_buffer = torch.empty((d + 1) * rows * H, **kw)
+        for p in range(P):
+            x_p, q_p, v_p, s_p = tokens[p], queries[p], values_t[p], sums[p]
+            for i0 in range(0, n, rows):
+                i1 = min(n, i0 + rows)
+                c, m = i1 - i0, n - i0
+                u = buffer[:m * c * H].view(m, c * H)  # u[j, i H + h] = U^h_ij, j >= i0
+                torch.mm(x_p[i0:], q_p[:, i0:i1].reshape(d, c * H), out=u).exp2_()
+                r = row_buffer[:(d + 1) * c * H].view(d + 1, c * H)
+                torch.mm(v_p[:, i0:], u, out=r)
+                r = r.view(d + 1, c, H).transpose(0, 1)
+                if i0 == 0:
+                    s_p[:i1] = r
+                else:  # rows of earlier blocks have handed over their part already
+                    s_p[i0:i1] += r
+                u = u.view(m, c, H)
+                if with_ito:
+                    torch.sum(u, -1, out=head_sums[p, i0:, i0:i1])
+                if i1 == n:
+                    continue
+                # U^h_ji = U^h_ij: the block's exponentials serve the rows j >= i1
+                v_block = v_p[:, i0:i1].expand(m - c, d + 1, c)
+                if i0 == 0:
+                    torch.bmm(v_block, u[c:], out=s_p[i1:])
+                else:
+                    s_p[i1:].baddbmm_(v_block, u[c:])
+    ito = None
+    if with_ito:
+        weights_ito = torch.bmm(tokens, tokens.transpose(1, 2))  # [p, j, i]: <x_j, x_i>
+        weights_ito.mul_(weights_ito).add_(1.0)
+        if rows < n:  # a pair in two different blocks is computed once and counts twice
+            block = torch.arange(n, device=tokens.device) // rows
+            weights_ito.mul_(torch.where(block[:, None] == block[None, :], 1.0,
+                                         2.0).to(tokens.dtype))
+        ito = head_sums.mul_(weights_ito).sum((1, 2))  # pairwise summation
+    return sums, ito
 
 
 def _softmax_moments(queries, keys, values, max_chunk_elements: int = 1 << 25):
     """Row log-sum-exp and softmax means of ``values`` for logits ``queries @ keys^T``.
 
-    queries ``[P, L, d]``, keys ``[P, n, d]``, values ``[P, n, E]`` (E >= d) ->
-    (``lse [P, L]``, ``mean [P, L, E]``). On CPU the fused flash kernel (tiled; the
-    ``L x n`` logits are never stored); elsewhere row chunks of at most
-    ``max_chunk_elements`` logits each.
+    queries ``[P, L, d]``, keys ``[P, n, d]``, values ``[P, n, E]`` ->
+    (``lse [P, L]``, ``mean [P, L, E]``), shifted by each row's maximum, in row chunks
+    of at most ``max_chunk_elements`` logits. The general path of :func:`step_quantities`
+    for weights too large for :func:`_symmetric_exp_moments`.
     """
     P, L, d = queries.shape
-    E = values.shape[-1]
-    if (
-        _FLASH_CPU is not None
-        and queries.device.type == "cpu"
-        and queries.dtype in (torch.float32, torch.float64)
-    ):
-        # The kernel wants one head size for q, k and v: zero columns leave logits unchanged.
-        q = torch.nn.functional.pad(queries, (0, E - d)).unsqueeze(1)
-        k = torch.nn.functional.pad(keys, (0, E - d)).unsqueeze(1)
-        try:
-            out, lse = _FLASH_CPU(q, k, values.unsqueeze(1), 0.0, False, scale=1.0)
-            return lse.squeeze(1), out.squeeze(1)
-        except RuntimeError:  # pragma: no cover - kernel unavailable for this build
-            pass
     n = keys.shape[1]
     rows = max(1, max_chunk_elements // max(1, P * n))
     kt = keys.transpose(-1, -2)
@@ -372,9 +459,60 @@ def _softmax_moments(queries, keys, values, max_chunk_elements: int = 1 << 25):
     return torch.cat(lses, 1), torch.cat(means, 1)
 
 
-def _sym_pairs(d: int, device):
-    iu = torch.triu_indices(d, d, device=device)
-    return iu[0], iu[1]
+def _shifted_exp_moments(tokens, weights, with_ito: bool):
+    """``(S0 [P, n, H], S1 [P, n, d, H], a [P, n, d, H], T [P] or None)`` from max-shifted
+    softmax moments; ``S0 = sum_j U``, ``S1 = S0 a``, ``a`` the softmax mean of the tokens.
+    ``a`` stays finite for any weights; ``S0``, ``S1`` and ``T`` overflow where the
+    quantities themselves do."""
+    P, n, d = tokens.shape
+    H = weights.shape[1]
+    cat = weights.permute(0, 2, 1, 3).reshape(P, d, H * d)  # cat[p, a, h d + b] = D_h[a, b]
+    queries = torch.matmul(tokens, cat).view(P, n * H, d)  # rows (i, h): D_h x_i
+    if with_ito:  # values x_j and the upper triangle of x_j x_j^T: enough for the Itô term
+        iu = torch.triu_indices(d, d, device=tokens.device)
+        values = torch.cat([tokens, tokens[..., iu[0]] * tokens[..., iu[1]]], -1)
+    else:
+        values = tokens
+    lse, means = _softmax_moments(queries, tokens, values)
+    s0 = lse.view(P, n, H).exp()
+    means = means.view(P, n, H, -1)
+    a = means[..., :d].permute(0, 1, 3, 2).contiguous()
+    ito = None
+    if with_ito:
+        mult = torch.where(iu[0] == iu[1], 1.0, 2.0).to(tokens.dtype)
+        xx = tokens[..., iu[0]] * tokens[..., iu[1]] * mult  # x_i^T C x_i = <xx, c>
+        xcx = (means[..., d:] * xx.unsqueeze(2)).sum(-1)
+        ito = (s0 * (1.0 + xcx)).sum((1, 2))
+    return s0, s0.unsqueeze(2) * a, a, ito
+
+
+def _check_step_args(tokens, weights, sign, drift, sigma, noise):
+    _check_tokens(tokens)
+    _check_weights(weights, tokens)
+    sign = _check_sign(sign)
+    sigma = check_number("sigma", sigma, minimum=0.0)
+    for name, mats in (("drift", drift), ("noise", noise)):
+        if mats is None:
+            continue
+        check_tensor(name, mats, ndim=(3, 4), floating=True, finite=True)
+        if tuple(mats.shape) not in (tuple(weights.shape), tuple(weights.shape[1:])):
+            raise ValueError(
+                f"{name}: expected shape {tuple(weights.shape)} or "
+                f"{tuple(weights.shape[1:])} like weights, got {tuple(mats.shape)}"
+            )
+        if mats.dtype != weights.dtype or mats.device != weights.device:
+            raise TypeError(
+                f"{name}: expected dtype {weights.dtype} on {weights.device} like "
+                f"weights, got {mats.dtype} on {mats.device}"
+            )
+        # the rounding allowance of the weights' symmetry check, per dtype
+        tol = 1e-10 if mats.dtype == torch.float64 else 1e-5
+        asym = (mats - mats.transpose(-1, -2)).abs().amax()
+        if asym > tol * (1 + mats.abs().amax()):
+            raise ValueError(
+                f"{name}: expected symmetric matrices, max |M - M^T| = {asym.item():.3g}"
+            )
+    return sign, sigma
 
 
 def step_quantities(
@@ -389,6 +527,13 @@ def step_quantities(
 ) -> dict[str, torch.Tensor]:
     """Velocity and every energy-balance quantity at one state, batched over paths.
 
+    The fast evaluation of :func:`reference_step_quantities` (same results to rounding):
+    ``P H n (n + c) / 2`` exponentials (``U^h`` is symmetric) instead of ``P H n^2``,
+    all heads of a block of ``c`` query rows in one GEMM, and every quantity read off the
+    moments ``sum_j U^h_ij``, ``sum_j U^h_ij x_j`` (and, with noise, the Itô sum
+    ``sum U^h_ij (1 + <x_i, x_j>^2)``). Weights so large that unshifted exponentials
+    could overflow take a max-shifted path instead.
+
     Parameters
     ----------
     tokens : ``[P, n, d]`` unit vectors. weights : ``[P, H, d, d]`` symmetric.
@@ -397,6 +542,7 @@ def step_quantities(
         or None (0).
     sigma : noise amplitude of the weights. noise : the symmetric increment ``dW``
         ``[P, H, d, d]`` of this step (only for the martingale increment) or None.
+    validate : check the arguments (``simulate`` checks once and passes False).
 
     Returns
     -------
@@ -406,80 +552,67 @@ def step_quantities(
     (``1/(2Hn^2) sum U x_i^T (sigma dW) x_j``, 0 without noise), and ``Z [P, n, H]``
     (token-major: row ``i`` holds the heads of token ``i``).
 
-    Complexity: ``O(P H n^2 d)`` time (``P H n^2`` exponentials), ``O(P H n d^2)`` memory.
+    Complexity: ``O(P H n^2 d)`` time, ``O(P H n d)`` memory besides one cache-sized
+    block (no ``n x n`` matrix per head is stored).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = uniform_sphere(5, 3, g, paths=2), initial_weights(3, 3, g, paths=2)
+    >>> q = step_quantities(x, D)
+    >>> r = reference_step_quantities(x, D)
+    >>> bool(torch.allclose(q["velocity"], r["velocity"], rtol=1e-12, atol=1e-14))
+    True
     """
     if validate:
-        _check_tokens(tokens)
-        _check_weights(weights, tokens)
-        sign = _check_sign(sign)
-        sigma = check_number("sigma", sigma, minimum=0.0)
-        for name, mats in (("drift", drift), ("noise", noise)):
-            if mats is None:
-                continue
-            check_tensor(name, mats, ndim=(3, 4), floating=True, finite=True)
-            if tuple(mats.shape) not in (tuple(weights.shape), tuple(weights.shape[1:])):
-                raise ValueError(
-                    f"{name}: expected shape {tuple(weights.shape)} or "
-                    f"{tuple(weights.shape[1:])} like weights, got {tuple(mats.shape)}"
-                )
-            if mats.dtype != weights.dtype or mats.device != weights.device:
-                raise TypeError(
-                    f"{name}: expected dtype {weights.dtype} on {weights.device} like "
-                    f"weights, got {mats.dtype} on {mats.device}"
-                )
-            # the rounding allowance of the weights' symmetry check, per dtype
-            tol = 1e-10 if mats.dtype == torch.float64 else 1e-5
-            asym = (mats - mats.transpose(-1, -2)).abs().amax()
-            if asym > tol * (1 + mats.abs().amax()):
-                raise ValueError(
-                    f"{name}: expected symmetric matrices, max |M - M^T| = {asym.item():.3g}"
-                )
+        sign, sigma = _check_step_args(tokens, weights, sign, drift, sigma, noise)
     P, n, d = tokens.shape
     H = weights.shape[1]
+    with_ito = sigma > 0
+    sym = _symmetric_exp_moments(tokens, weights, with_ito)
+    if sym is not None:
+        sums, ito = sym
+        s0 = sums[:, :, 0]  # [P, n, H]: n Z_ih
+        s1 = sums[:, :, 1:]  # [P, n, d, H]: n Z_ih a_ih
+        a = None  # s1 / s0, formed in place once s1 is read
+    else:
+        s0, s1, a, ito = _shifted_exp_moments(tokens, weights, with_ito)
 
-    def stack(mats):  # [P, H d, d]: rows (h, b) hold D_h[b, :]
+    def stack(mats):  # [P, d H, d]: row b H + h holds M_h[b, :]
         if mats.dim() == 3:
             mats = mats.unsqueeze(0).expand(P, -1, -1, -1)
-        return mats.reshape(P, H * d, d)
+        return mats.permute(0, 2, 1, 3).reshape(P, d * H, d)
 
-    pairs = _sym_pairs(d, tokens.device) if sigma > 0 else None
-    if pairs is not None:
-        # Values x_j and the upper triangle of x_j x_j^T: enough for the Itô term.
-        values = torch.cat([tokens, tokens[..., pairs[0]] * tokens[..., pairs[1]]], -1)
-    else:
-        values = tokens
-    # Rows (i, h) of the stacked queries are D_h x_i; all heads share keys and values.
-    cat = weights.permute(0, 2, 1, 3).reshape(P, d, H * d)  # cat[p, a, h d + b] = D_h[a, b]
-    queries = torch.matmul(tokens, cat).view(P, n, H, d)
-    lse, means = _softmax_moments(queries.view(P, n * H, d), tokens, values)
-    Z = (lse.view(P, n, H) - math.log(n)).exp()  # Z_ih = (1/n) sum_j U_ij^h
-    means = means.view(P, n, H, -1)
-    a = means[..., :d]  # a_ih: softmax mean of the tokens
-    xm = (queries * a).sum(-1)  # <x_i, D_h a_ih> = <D_h x_i, a_ih>
-    # sum_h M_h a_ih (M symmetric) is one contraction over (h, b): a GEMM per path.
-    za = (Z.unsqueeze(-1) * a).reshape(P, n, H * d)
-    sum_m = torch.matmul(a.reshape(P, n, H * d), stack(weights))
-    sum_zm = torch.matmul(za, stack(weights))
-    vel = (sign / H) * (sum_m - xm.sum(-1, keepdim=True) * tokens)
-    ghat = (sum_zm - (Z * xm).sum(-1, keepdim=True) * tokens) / H  # (1/H) sum_h Z_ih u_ih
+    # sum_h M_h a_ih (M symmetric) is one contraction over (b, h): a GEMM per path.
+    weights_stacked = stack(weights)
+    mats = [weights_stacked]
+    if drift is not None:
+        mats.append(stack(drift))
+    if noise is not None and sigma > 0:
+        mats.append(stack(noise))
+    # n sum_h Z_ih M_h a_ih for M = D, f and dW in one GEMM
+    zm = torch.matmul(s1.reshape(P, n, d * H), torch.cat(mats, -1)) / n
+    sum_zm = zm[..., :d]
+    if a is None:
+        a = s1.div_(s0.unsqueeze(2))  # a_ih: softmax mean of the tokens
+    sum_m = torch.matmul(a.reshape(P, n, d * H), weights_stacked)
+    vel = (sign / H) * (sum_m - (tokens * sum_m).sum(-1, keepdim=True) * tokens)
+    ghat = (sum_zm - (tokens * sum_zm).sum(-1, keepdim=True) * tokens) / H  # (1/H) sum_h Z u
+    Z = s0 / n
     energy = Z.sum((1, 2)) / (2 * H * n)
     dissipation = -(ghat * vel).sum(-1).mean(-1)
     mobility = 1.0 / (1.0 / Z).mean(-1)  # b_i: harmonic mean over heads of Z_ih
     slope_sq = (mobility * (vel * vel).sum(-1)).mean(-1)
-
-
-    def weighted_bilinear(mats):  # sum_{i,h} Z_ih x_i^T M_h a_ih, M_h symmetric: [P]
-        return (tokens * torch.matmul(za, stack(mats))).sum((1, 2))
-
-    rate = weighted_bilinear(drift) if drift is not None else torch.zeros_like(energy)
-    if pairs is not None:
-        mult = torch.where(pairs[0] == pairs[1], 1.0, 2.0).to(tokens.dtype)
-        xx = tokens[..., pairs[0]] * tokens[..., pairs[1]] * mult  # x_i^T C x_i = <xx, c>
-        xcx = (means[..., d:] * xx.unsqueeze(2)).sum(-1)
-        rate = rate + (sigma * sigma / 4.0) * (Z * (1.0 + xcx)).sum((1, 2))
+    # sum_{i,h} Z_ih x_i^T M_h a_ih, M_h symmetric: [P]
+    k = 1
+    if drift is not None:
+        rate = (tokens * zm[..., k * d:(k + 1) * d]).sum((1, 2))
+        k += 1
+    else:
+        rate = torch.zeros_like(energy)
+    if with_ito:
+        rate = rate + (sigma * sigma / 4.0) * ito / n
     energy_rate = rate / (2 * H * n)
     if noise is not None and sigma > 0:
-        mart = sigma * weighted_bilinear(noise) / (2 * H * n)
+        mart = sigma * (tokens * zm[..., k * d:(k + 1) * d]).sum((1, 2)) / (2 * H * n)
     else:
         mart = torch.zeros_like(energy)
     return {
@@ -490,6 +623,77 @@ def step_quantities(
         "dissipation": dissipation,
         "martingale_increment": mart,
         "Z": Z,
+    }
+
+
+def _tangent(vectors: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """``P_x v = v - <x, v> x`` for vectors ``[..., d]`` at unit points ``[..., d]``."""
+    return vectors - (vectors * points).sum(-1, keepdim=True) * points
+
+
+def reference_step_quantities(
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    sign: int = -1,
+    drift: torch.Tensor | None = None,
+    sigma: float = 0.0,
+    noise: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`step_quantities` written as the paper's equations, with dense tensors.
+
+    Every quantity is formed from the ``[P, H, n, n]`` matrices
+    ``U^h_ij = exp(<x_i, D_h x_j>)`` exactly as printed: ``Z_ih = (1/n) sum_j U^h_ij``,
+    ``v_i = sign/H sum_h P_{x_i}[(1/Z_ih)(1/n) sum_j U^h_ij D_h x_j]``,
+    ``E = 1/(2Hn^2) sum U``, ``G^2 = (1/n) sum_i b_i |v_i|^2`` with
+    ``b_i = [(1/H) sum_h 1/Z_ih]^{-1}``, the dissipation ``-(1/n) sum_i <g_i, v_i>``
+    with ``g_i = (1/H) sum_h P_{x_i}(1/n) sum_j U^h_ij D_h x_j``, the rate
+    ``1/(2Hn^2) sum U^h_ij [x_i^T f_h x_j + sigma^2/4 (1 + <x_i, x_j>^2)]`` and the
+    martingale increment ``1/(2Hn^2) sum U^h_ij x_i^T (sigma dW_h) x_j``. No shift, no
+    symmetry, no blocking: the reference the fast kernel is tested against. Arguments and
+    result as :func:`step_quantities`.
+
+    Complexity: ``O(P H n^2 d)`` time and ``O(P H n^2)`` memory.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = uniform_sphere(4, 3, g, paths=1), initial_weights(1, 3, g)
+    >>> reference_step_quantities(x, D)["Z"].shape
+    torch.Size([1, 4, 1])
+    """
+    sign, sigma = _check_step_args(tokens, weights, sign, drift, sigma, noise)
+    x, D = tokens, weights
+    P, n, d = x.shape
+    H = D.shape[1]
+    U = torch.exp(torch.einsum("pia,phab,pjb->phij", x, D, x))  # [P, H, n, n]
+    Z = U.mean(-1)  # [P, H, n]
+    Dx = torch.einsum("phab,pjb->phja", D, x)  # D_h x_j
+    s = torch.einsum("phij,phja->phia", U, Dx) / n  # (1/n) sum_j U^h_ij D_h x_j
+    xb = x.unsqueeze(1)
+    vel = sign * _tangent(s / Z.unsqueeze(-1), xb).mean(1)
+    grad = _tangent(s, xb).mean(1)
+    energy = U.sum((1, 2, 3)) / (2 * H * n * n)
+    mobility = 1.0 / (1.0 / Z).mean(1)  # [P, n]
+    slope_sq = (mobility * (vel * vel).sum(-1)).mean(-1)
+    dissipation = -(grad * vel).sum(-1).mean(-1)
+    gram = torch.einsum("pia,pja->pij", x, x)
+    integrand = (sigma * sigma / 4) * (1 + gram * gram).unsqueeze(1).expand_as(U)
+    if drift is not None:
+        f = drift if drift.dim() == 4 else drift.unsqueeze(0).expand_as(D)
+        integrand = integrand + torch.einsum("pia,phab,pjb->phij", x, f, x)
+    energy_rate = (U * integrand).sum((1, 2, 3)) / (2 * H * n * n)
+    if noise is not None and sigma > 0:
+        xwx = torch.einsum("pia,phab,pjb->phij", x, sigma * noise, x)
+        mart = (U * xwx).sum((1, 2, 3)) / (2 * H * n * n)
+    else:
+        mart = torch.zeros_like(energy)
+    return {
+        "velocity": vel,
+        "energy": energy,
+        "energy_rate": energy_rate,
+        "slope_sq": slope_sq,
+        "dissipation": dissipation,
+        "martingale_increment": mart,
+        "Z": Z.transpose(1, 2),
     }
 
 
