@@ -43,7 +43,8 @@ def test_gpu_paper_sbm_tiny_end_to_end(tmp_path):
                  "--out", out], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["tiny"] is True and result["device_type"] == "cpu"
+    assert result["tiny"] is True and result["paper_setting"] is False
+    assert result["device_type"] == "cpu"
     assert result["device"].startswith("cpu")
     assert result["torch"] == torch.__version__
     assert result["commit"] == "unknown" or len(result["commit"]) == 40
