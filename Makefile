@@ -85,6 +85,9 @@ latex:
 pdf: setup latex
 	@ls book/_generated/chapters/*.ipynb >/dev/null 2>&1 || { echo "pdf: no executed" \
 	  "chapters in book/_generated/chapters: run 'make book' first" >&2; exit 1; }
+	@for src in chapters/*.md; do name=$$(basename $$src .md); \
+	  test -f book/_generated/chapters/$$name.ipynb || echo "pdf: chapter $$name was" \
+	  "never executed and is left out (make book)" >&2; done
 	$(PY) -m companion pages
 	$(VENV)/bin/jupyter-book build . --path-output book --builder pdflatex
 	@test -s book/_build/latex/book.pdf || { echo "pdf: the build made no" \
