@@ -271,6 +271,9 @@ def test_binder_post_build_installs_package_corpora_and_kernel():
     assert post.stat().st_mode & stat.S_IXUSR, "postBuild must be executable"
     text = post.read_text()
     assert text.startswith("#!/bin/bash") and "set -euo pipefail" in text
+    if shutil.which("bash"):
+        syntax = subprocess.run(["bash", "-n", str(post)], capture_output=True, text=True)
+        assert syntax.returncode == 0, syntax.stderr
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     assert "python -m pip install --no-deps -e ." in lines
     assert "python -m companion.corpora install" in lines
