@@ -366,3 +366,13 @@ def test_make_pdf_without_tex_and_root_names_the_debian_packages(tmp_path):
     assert "latexmk and xelatex are missing" in proc.stderr
     for package in _makefile_variable("TEX_PACKAGES").split():
         assert package in proc.stderr
+
+
+def test_every_make_target_the_workflow_runs_exists():
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([A-Za-z0-9_.-]+):(?!=)", makefile, re.M))
+    runs = "\n".join(s.get("run", "") for job in _workflow()["jobs"].values()
+                     for s in job["steps"])
+    used = set(re.findall(r"^\s*make ([A-Za-z0-9_.-]+)", runs, re.M))
+    assert used >= {"publish", "pdf"}
+    assert used <= targets, used - targets
