@@ -376,3 +376,32 @@ def test_every_make_target_the_workflow_runs_exists():
     used = set(re.findall(r"^\s*make ([A-Za-z0-9_.-]+)", runs, re.M))
     assert used >= {"publish", "pdf"}
     assert used <= targets, used - targets
+
+
+def test_the_wheel_is_attention_reproduced_and_holds_companion(tmp_path):
+    """Build the distribution from a copy of the checkout (no network, no build isolation)."""
+    import zipfile
+
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "lib", src / "lib",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    version = _pyproject()["project"]["version"]
+    wheel = tmp_path / "dist" / f"attention_reproduced-{version}-py3-none-any.whl"
+    assert wheel.exists(), sorted(p.name for p in (tmp_path / "dist").iterdir())
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(f"attention_reproduced-{version}.dist-info/METADATA").decode()
+    assert "companion/__init__.py" in names and "companion/site.py" in names
+    assert not any(n.startswith("lib/") for n in names)
+    assert f"Name: {site.DISTRIBUTION}\n" in metadata
+    repository = site.repository_url(REPO)
+    assert f"Project-URL: Repository, {repository}\n" in metadata
+    assert f"Requires-Dist: {site.DISTRIBUTION}[book,dev,nlp]; extra == \"all\"" in metadata
