@@ -1,5 +1,5 @@
 """Tests of companion.segmentation and companion.segmentation_eval against independent
-references, without model forward passes.
+references (model forward passes only in the last tests, on a tiny random BERT).
 
 - the fast dynamic programme against a brute force over all 2^(n-1) segmentations and
   against the plain-loop reference, batched over matrices and penalties;
@@ -398,3 +398,135 @@ def test_tune_finds_the_planted_layer_and_stacked_predictions_match():
     for m in methods:
         if m.family in se.DP_FAMILIES or m.family in ("TextTiling", "even"):
             assert torch.equal(stacked[m.name], m.predict(test_feats)), m.name
+
+
+# --------------------------------------------------------------------------- the chapter's windows
+# (these use the bundled tokenizer and a tiny random BERT: real forward passes, small sizes)
+
+
+def _sentences(doc, n):
+    return [f"doc {doc} sentence {i} has a few words in it ." if i % 2 else
+            f"and here , in doc {doc} , another one ?" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def toy_brown():
+    # documents of different lengths; document 3 is shorter than one window of 24 tokens
+    sizes = {0: 12, 1: 30, 2: 20, 3: 1, 4: 16}
+    return Corpus("toy", [Document(f"d{d}", _sentences(d, n)) for d, n in sizes.items()])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from companion import context_similarity as cs
+
+    try:
+        path = cs.default_model_path()
+    except cs.ModelNotFoundError as exc:  # pragma: no cover - the venv ships it
+        pytest.skip(str(exc))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tok):
+    from transformers import BertConfig, BertModel
+
+    from companion import context_similarity as cs
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=3,
+                     num_attention_heads=2, intermediate_size=32, max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny-seg-bert")
+    BertModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return cs.load_encoder(path, device="cpu")[0]
+
+
+def test_document_windows_counts_order_and_limit(toy_brown, tok):
+    from companion.corpora import windows as cut
+
+    w = se.document_windows(toy_brown, tok, [2, 0, 3, 1], [1, 2, 5, 1], length=24)
+    assert w.document_ids[:, 1].tolist() == [2, 0, 0, 1]  # document 3 gives none
+    assert (w.document_ids[:, 1:-1] == w.document_ids[:, 1:2]).all()
+    own = cut(Corpus("d0", [toy_brown.documents[0]]), tok, 24, max_windows=2)
+    assert torch.equal(w.input_ids[1:3], own.input_ids)  # the first windows of the document
+    assert torch.equal(w.sentence_ids[1:3], own.sentence_ids)
+    limited = se.document_windows(toy_brown, tok, [2, 0, 1], 3, length=24, max_windows=4)
+    assert limited.document_ids[:, 1].tolist() == [2, 2, 2, 0]
+    with pytest.raises(ValueError, match="per_document: expected one count per document"):
+        se.document_windows(toy_brown, tok, [0, 1], [1], length=24)
+    with pytest.raises(ValueError, match="per_document"):
+        se.document_windows(toy_brown, tok, [0], 0, length=24)
+    with pytest.raises(ValueError, match="none of the 1 documents"):
+        se.document_windows(toy_brown, tok, [3], 1, length=24)
+
+
+def test_first_windows_per_document(toy_brown, tok):
+    from companion.corpora import windows as cut
+
+    w = cut(toy_brown, tok, 24)  # consecutive windows, document after document
+    docs = w.document_ids[:, 1].tolist()
+    first = se.first_windows_per_document(w, 1)
+    assert first.document_ids[:, 1].tolist() == sorted(set(docs), key=docs.index)
+    two = se.first_windows_per_document(w, 2)
+    rows = [i for i, d in enumerate(docs) if docs[:i].count(d) < 2]
+    assert torch.equal(two.input_ids, w.input_ids[rows])
+    assert torch.equal(se.first_windows_per_document(w, 10 ** 6).input_ids, w.input_ids)
+    across = cut(toy_brown, tok, 24, cross_documents=True)
+    with pytest.raises(ValueError, match="inside one document"):
+        se.first_windows_per_document(across, 1)
+    with pytest.raises(TypeError, match="windows"):
+        se.first_windows_per_document(w.input_ids, 1)
+
+
+def test_window_features_take_one_forward_pass(toy_brown, tok, tiny_model):
+    from companion import context_similarity as cs
+    from companion.corpora import windows as cut
+
+    w = cut(toy_brown, tok, 24)[:5]
+    calls = []
+    hook = tiny_model.embeddings.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        f = se.window_features(tiny_model, w, batch_size=2)
+    finally:
+        hook.remove()
+    assert len(calls) == 3  # batches of 2, 2, 1: one pass each
+    with torch.no_grad():
+        own = tiny_model(input_ids=w.input_ids, attention_mask=w.attention_mask)
+        ho = cs.head_outputs(tiny_model, {"input_ids": w.input_ids,
+                                          "attention_mask": w.attention_mask})
+    torch.testing.assert_close(f.hidden, own.last_hidden_state[:, 1:-1].float(),
+                               atol=1e-5, rtol=0)
+    sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
+    torch.testing.assert_close(f.heads, sg.standardise(sims).float(), atol=1e-5, rtol=0)
+    assert f.heads.shape == (5, 3, 2, 22, 22) and f.attention.shape == f.heads.shape
+
+
+def test_evaluate_reads_the_given_windows_split_by_document(toy_brown, tok, tiny_model):
+    from companion.corpora import windows as cut
+
+    w = cut(toy_brown, tok, 24)
+    kw = dict(corpus=toy_brown, per_document=2, final_layers=[2], penalties=[1.0, 4.0],
+              seed=1, batch_size=4, widths=(4,), cutoffs=(0.0,))
+    a = se.evaluate(tiny_model, tok, w, **kw)
+    chosen = se.first_windows_per_document(w, 2)
+    dev_docs = set(a.dev.document_ids[:, 1].tolist())
+    test_docs = set(a.test.document_ids[:, 1].tolist())
+    assert not dev_docs & test_docs
+    assert dev_docs | test_docs == set(chosen.document_ids[:, 1].tolist())
+    rows = {tuple(r) for r in chosen.input_ids.tolist()}
+    assert all(tuple(r) in rows for r in torch.cat([a.dev.input_ids, a.test.input_ids]).tolist())
+    assert len(a.dev) + len(a.test) == len(chosen)
+    names = {m.name for m in a.methods}
+    assert set(a.scores.stats) == names and "TextTiling, final hidden states" in names
+    assert all(p.shape == (len(a.test), 22) for p in a.predictions.values())
+    b = se.evaluate(tiny_model, tok, w, strip_punctuation=True, **kw)
+    assert set(b.dev.document_ids[:, 1].tolist()) == dev_docs  # the same documents
+    assert set(b.test.document_ids[:, 1].tolist()) == test_docs
+    stripped = {tok.convert_tokens_to_ids(t) for t in (".", "?", "!", ";", ":")}
+    ids = set(torch.cat([b.dev.input_ids, b.test.input_ids]).flatten().tolist())
+    assert not ids & stripped and (ids & {tok.convert_tokens_to_ids(",")})
+    with pytest.raises(ValueError, match="document ids outside"):
+        se.evaluate(tiny_model, tok, w, **{**kw, "corpus": Corpus("x", toy_brown.documents[:2])})

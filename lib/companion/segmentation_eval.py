@@ -2,22 +2,25 @@
 
 The protocol the context-similarity chapter runs (:func:`evaluate`):
 
-1. **Documents, split by document.** Brown documents (gold sentences) in a seeded order;
-   at most ``per_document`` windows of each (:func:`document_windows`), alternate
-   documents to the development and the test split (:func:`split_documents`).
-2. **Two conditions.** (a) the plain text; (b) the same documents with sentence
+1. **The chapter's windows, split by document.** The Brown windows (gold sentences) the
+   chapter already analyses, at most ``per_document`` of each document
+   (:func:`first_windows_per_document`); the documents are split into a development and
+   a test half (:func:`split_documents`).
+2. **Two conditions.** (a) those windows as they are; (b) the same documents with sentence
    punctuation removed before tokenising (:func:`strip_sentence_punctuation`: every
    stand-alone token made only of ``. ! ? ; :``, the marks that end Brown's sentences),
-   so that a boundary cannot be read off a '.'.
-3. **Features** (:func:`window_features`): per window the standardised per-head
-   similarity matrices of the head outputs and the symmetrised attention maps of the
-   content tokens, and the model's final hidden states.
+   cut again from the start of each document into as many windows
+   (:func:`document_windows`), so that a boundary cannot be read off a '.'.
+3. **Features** (:func:`window_features`): per window, from one forward pass, the
+   standardised per-head similarity matrices of the head outputs and the symmetrised
+   attention maps of the content tokens, and the model's final hidden states.
 4. **Free parameters fixed on the development split** (:func:`tune`): for every method
    the parameters that maximise the development F1 (±1 token); head subsets are ranked
    by a development statistic (:func:`head_contrast`). The test windows are featurised
    only after every parameter is fixed.
 5. **Scores on the test split** (:class:`Scores`): boundary F1 exact and with ±1 token
-   tolerance (:func:`boundary_matches`, one-to-one matching), Pk and WindowDiff from
+   tolerance (:func:`boundary_matches`, one-to-one matching), Pk (Beeferman, Berger and
+   Lafferty 1999) and WindowDiff (Pevzner and Hearst 2002) from
    ``nltk.metrics.segmentation`` (:func:`pk_windowdiff`), with percentile intervals from
    a bootstrap over test documents, paired across methods (:meth:`Scores.summary`,
    :meth:`Scores.difference`).
@@ -42,6 +45,7 @@ __all__ = [
     "document_windows",
     "evaluate",
     "f1_score",
+    "first_windows_per_document",
     "gold_boundaries",
     "head_contrast",
     "pk_windowdiff",
@@ -91,35 +95,87 @@ def strip_sentence_punctuation(corpus: Corpus) -> Corpus:
     return Corpus(f"{corpus.name} (no sentence punctuation)", docs, corpus.licence)
 
 
-def document_windows(corpus: Corpus, tokenizer, documents, per_document: int,
-                     length: int = 128) -> Windows:
+def document_windows(corpus: Corpus, tokenizer, documents, per_document, length: int = 128,
+                     max_windows: int | None = None) -> Windows:
     """At most ``per_document`` consecutive windows from the start of each listed document.
 
-    ``documents`` are indices into ``corpus.documents``; the windows' ``document_ids``
-    are those indices. Documents shorter than one window give none.
+    ``documents`` are indices into ``corpus.documents``, read in the order given; the
+    windows' ``document_ids`` are those indices. ``per_document`` is one int for every
+    document or a sequence of ints, one per document. Documents shorter than one window
+    give none. With ``max_windows``, reading stops once that many windows are cut (so only
+    the documents needed are tokenised).
+
+    >>> docs = [Document(f"d{i}", ["one two three four five six seven ."] * 9)
+    ...         for i in range(3)]  # doctest: +SKIP
+    >>> w = document_windows(Corpus("toy", docs), tok, [2, 0], 2, length=16)  # doctest: +SKIP
+    >>> w.document_ids[:, 1].tolist()  # doctest: +SKIP
+    [2, 2, 0, 0]
     """
     if not isinstance(corpus, Corpus):
         raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
-    per_document = check_int("per_document", per_document, minimum=1)
     documents = [check_int("documents", d, minimum=0, maximum=len(corpus.documents) - 1)
                  for d in documents]
     if not documents:
         raise ValueError("documents: expected at least one document index")
-    parts = []
-    for d in documents:
-        doc = corpus.documents[d]
-        # enough sentences for per_document windows: tokenise no more than needed
-        single = Corpus(corpus.name, [doc], corpus.licence)
+    if isinstance(per_document, (list, tuple)):
+        if len(per_document) != len(documents):
+            raise ValueError(f"per_document: expected one count per document "
+                             f"({len(documents)}), got {len(per_document)}")
+        counts = [check_int("per_document", c, minimum=1) for c in per_document]
+    else:
+        counts = [check_int("per_document", per_document, minimum=1)] * len(documents)
+    if max_windows is not None:
+        max_windows = check_int("max_windows", max_windows, minimum=1)
+    parts, total = [], 0
+    for d, count in zip(documents, counts):
+        if max_windows is not None:
+            count = min(count, max_windows - total)
+            if count <= 0:
+                break
+        # one document at a time: tokenise no more than needed
+        single = Corpus(corpus.name, [corpus.documents[d]], corpus.licence)
         try:
-            w = cut_windows(single, tokenizer, length, max_windows=per_document)
+            w = cut_windows(single, tokenizer, length, max_windows=count)
         except ValueError:
             continue  # shorter than one window
         w.document_ids[w.document_ids >= 0] = d
         parts.append(w)
+        total += len(w)
     if not parts:
         raise ValueError(f"documents: none of the {len(documents)} documents fills a window "
                          f"of {length} tokens")
-    return Windows.concat(parts)
+    out = Windows.concat(parts)
+    out.corpus = corpus.name
+    return out
+
+
+def first_windows_per_document(windows: Windows, per_document: int) -> Windows:
+    """The first ``per_document`` windows of each document, in the order of ``windows``.
+
+    A window's document is its first content token's (``document_ids[:, 1]``); windows
+    must stay inside one document (as :func:`companion.corpora.windows` cuts them with
+    ``cross_documents=False``).
+
+    >>> first_windows_per_document(w, 1).document_ids[:, 1].tolist()  # doctest: +SKIP
+    [4, 9, 2]
+    """
+    if not isinstance(windows, Windows):
+        raise TypeError(
+            f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    per_document = check_int("per_document", per_document, minimum=1)
+    if len(windows) == 0:
+        raise ValueError("windows: expected at least one window")
+    docs = windows.document_ids[:, 1:-1]
+    if ((docs != docs[:, :1]).any(dim=1)).any() or (docs < 0).any():
+        raise ValueError("windows: expected every window inside one document "
+                         "(cut with cross_documents=False)")
+    seen: dict[int, int] = {}
+    keep = []
+    for i, d in enumerate(docs[:, 0].tolist()):
+        if seen.get(d, 0) < per_document:
+            seen[d] = seen.get(d, 0) + 1
+            keep.append(i)
+    return windows[torch.tensor(keep, dtype=torch.long)]
 
 
 def split_documents(documents, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -242,20 +298,20 @@ def _batches(model, windows: Windows, batch_size: int):
         part = windows[start:start + batch_size]
         batch = {"input_ids": part.input_ids.to(dev), "attention_mask": part.attention_mask.to(dev)}
         with torch.no_grad():
-            ho = cs.head_outputs(model, batch)
+            ho = cs.head_outputs(model, batch, return_hidden=True)
             sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
             att = ho.attentions[..., 1:-1, 1:-1]
             att = 0.5 * (att + att.transpose(-1, -2))
-            hidden = model(**batch).last_hidden_state[:, 1:-1]
+            hidden = ho.hidden[:, 1:-1]
         yield sg.standardise(sims).float(), sg.standardise(att).float(), hidden.float()
 
 
 def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
     """Head-output similarity, attention and final hidden states of every window.
 
-    One :func:`companion.context_similarity.head_outputs` pass (outputs and attention
-    maps) and one full forward (final hidden states) per batch, on the model's device;
-    the features stay there.
+    One forward pass per batch (:func:`companion.context_similarity.head_outputs` with
+    ``return_hidden=True``: outputs, attention maps and final hidden states together),
+    on the model's device; the features stay there.
     """
     if not isinstance(windows, Windows):
         raise TypeError(
@@ -598,19 +654,53 @@ class Condition:
     test_features: Features | None = field(default=None, repr=False)
 
 
-def evaluate(model, tokenizer, corpus: Corpus, *, documents, per_document: int,
-             final_layers, penalties, seed: int = 0, batch_size: int = 16,
+def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers, penalties,
+             per_document: int | None = None, seed: int = 0, batch_size: int = 16,
              strip_punctuation: bool = False, name: str = "", keep_test_features: bool = False,
              **tune_kwargs) -> Condition:
     """The whole protocol for one condition (see the module docstring).
 
+    Parameters
+    ----------
+    windows : Windows
+        Windows already cut from ``corpus`` (each inside one document, ``document_ids``
+        indexing ``corpus.documents``): the chapter's own windows. With ``per_document``,
+        only the first that many of each document are used.
+    corpus : Corpus
+        The corpus with gold sentences the windows come from.
+    strip_punctuation : bool
+        Condition (b): the same documents with sentence punctuation removed, cut again
+        from their start into as many windows as ``windows`` holds of each.
+
     Development windows are featurised and every method's parameters fixed
     (:func:`tune`) before the test windows are featurised and scored.
     """
+    if not isinstance(corpus, Corpus):
+        raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
+    if per_document is not None:
+        windows = first_windows_per_document(windows, per_document)
+    elif not isinstance(windows, Windows):
+        raise TypeError(
+            f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    doc_of = windows.document_ids[:, 1].tolist()
+    if max(doc_of) >= len(corpus.documents) or min(doc_of) < 0:
+        raise ValueError(f"windows: document ids outside corpus {corpus.name!r} "
+                         f"({len(corpus.documents)} documents)")
+    counts: dict[int, int] = {}
+    for d in doc_of:
+        counts[d] = counts.get(d, 0) + 1
+    dev_docs, test_docs = split_documents(list(counts), seed)
+
+    def split(docs):
+        if strip_punctuation:
+            return document_windows(text, tokenizer, docs, [counts[d] for d in docs],
+                                    length=windows.length)
+        chosen = set(docs)
+        keep = torch.tensor([d in chosen for d in doc_of])
+        return windows[keep.nonzero().flatten()]
+
     text = strip_sentence_punctuation(corpus) if strip_punctuation else corpus
-    dev_docs, test_docs = split_documents(documents, seed)
-    dev = document_windows(text, tokenizer, dev_docs, per_document)
-    test = document_windows(text, tokenizer, test_docs, per_document)
+    dev, test = split(dev_docs), split(test_docs)
     gold_dev = gold_boundaries(dev.sentence_ids)
     feats = window_features(model, dev, batch_size)
     methods = tune(feats, gold_dev, final_layers=final_layers, penalties=penalties, **tune_kwargs)
