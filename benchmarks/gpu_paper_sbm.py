@@ -205,6 +205,8 @@ def run_one(attention: str, lam: float, splits, setting: dict, share_s: float, *
                              if device.type == "cuda" else None))
     except torch.OutOfMemoryError as exc:  # say so in the results, run the others
         row["error"] = "out of memory: " + str(exc).splitlines()[0]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     row["wall_s"] = time.perf_counter() - started
     return row
 

@@ -48,6 +48,9 @@ def test_gpu_paper_sbm_tiny_end_to_end(tmp_path):
     assert result["device"].startswith("cpu")
     assert result["torch"] == torch.__version__
     assert result["commit"] == "unknown" or len(result["commit"]) == 40
+    # what the SBM chapter reads to show the table
+    assert isinstance(result["dirty"], bool) and result["date"][:4].isdigit()
+    assert result["budget_s"] == 6.0 and 0 <= result["data"]["majority_test_accuracy"] <= 1
     setting = result["setting"]
     assert (setting["seq_len"], setting["batch"], setting["max_steps"]) == (64, 4, 3)
     # one dense run, then SBM at the paper's two penalties, in that order
