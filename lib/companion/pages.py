@@ -5,6 +5,7 @@ Both are written from the sidecars the chapters saved (nothing typed by hand) in
 """
 from __future__ import annotations
 
+import html
 import json
 import re
 from collections import Counter
@@ -96,18 +97,37 @@ def chapter_scale(items: list[dict[str, Any]], record: dict[str, Any] | None) ->
     return " and ".join(scales) or "unknown"
 
 
-def _first_sentence(text: str, limit: int = 160) -> str:
-    """The caption's first sentence (at most ``limit`` characters, cut at a word)."""
+def _first_sentence(text: str, limit: int = 110) -> str:
+    """The caption's first sentence (at most ``limit`` characters, cut at a word and
+    never inside maths or code, which would leave raw LaTeX on the page).
+
+    >>> _first_sentence("Masks A and B. Then more.")
+    'Masks A and B.'
+    >>> _first_sentence("The map $x_i = y^{2}$ over many tokens", limit=20)
+    'The map \u2026'
+    """
     text = " ".join(str(text).split())
     match = re.search(r"(?<=[.!?])\s+(?=[A-Z(])", text)
     first = text[:match.start()] if match else text
     if len(first) > limit:
-        first = first[:limit].rsplit(" ", 1)[0] + " \u2026"
+        first = first[:limit].rsplit(" ", 1)[0]
+        for mark in ("$", "`"):
+            if first.count(mark) % 2:
+                first = first[:first.rindex(mark)].rstrip()
+        first += " \u2026"
     return first
 
 
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line if line else line for line in text.rstrip("\n").split("\n"))
+
+
+def _commit_link(repository: str, item: dict[str, Any]) -> str:
+    """The item's commit, 12 digits, as an HTML link to the commit's page when known."""
+    commit = str(item.get("git_commit") or "unknown")
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit) or not repository:
+        return html.escape(commit[:12])
+    return f'<a href="{html.escape(site.commit_url(repository, commit))}">{commit[:12]}</a>'
 
 
 def _scale_line(name: str, scale: str) -> list[str]:
@@ -152,7 +172,7 @@ def figure_index(project) -> str:
             lines += ["No figures recorded for this chapter.", ""]
             continue
         lines += ["````{list-table}", ":header-rows: 1", ":class: figure-index",
-                  ":widths: 3 5 5", "",
+                  ":widths: 2 6 4", "",
                   "* - Figure", "  - Number, id", "  - Cite, download"]
         for fig in figures:
             total += 1
@@ -165,11 +185,10 @@ def figure_index(project) -> str:
                 f"* - ```{{image}} {rel}.png", "    :width: 120px", f"    :alt: {fig['id']}",
                 f"    :target: {rel}.png", "    ```",
                 f"  - {{numref}}`{fig['id']}`{stale_mark} \u00b7 `{fig['id']}`", "",
-                f"    {_first_sentence(fig.get('caption', ''))}", "",
-                f"    <span class=\"figure-index-made\">commit "
-                f"{str(fig.get('git_commit', '?'))[:12]}{dirty}, seed {fig.get('seed')}, "
-                f"device {fig.get('device')}</span>",
-                "  - " + _indent(cite_line(fig, base, entry), "    ").lstrip(),
+                f"    {_first_sentence(fig.get('caption', ''))}",
+                "  - " + _indent(cite_line(fig, base, entry), "    ").lstrip(), "",
+                f"    <span class=\"figure-index-made\">commit {_commit_link(repository, fig)}"
+                f"{dirty} \u00b7 seed {fig.get('seed')} \u00b7 {fig.get('device')}</span>",
             ]
         lines += ["````", ""]
     head = [HEADER, "# Figure index", "",
