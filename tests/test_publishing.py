@@ -405,3 +405,81 @@ def test_the_wheel_is_attention_reproduced_and_holds_companion(tmp_path):
     repository = site.repository_url(REPO)
     assert f"Project-URL: Repository, {repository}\n" in metadata
     assert f"Requires-Dist: {site.DISTRIBUTION}[book,dev,nlp]; extra == \"all\"" in metadata
+
+
+def _latex_tables_module():
+    import importlib.util
+
+    path = REPO / "book" / "_latex" / "latex_tables.py"
+    spec = importlib.util.spec_from_file_location("latex_tables", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_TABLES_RST = """
+.. table:: A captioned table
+
+   ====  ==========================================
+   key   value
+   ====  ==========================================
+   a     a rather long statement that has to wrap
+   ====  ==========================================
+
+.. note::
+
+   ===  ===
+   x    y
+   ===  ===
+   1    2
+   ===  ===
+
+===  ===
+p    q
+===  ===
+1    2
+===  ===
+
++---+---+
+| spans |
++---+---+
+| 1 | 2 |
++---+---+
+"""
+
+
+@pytest.mark.parametrize("builder_format", ["latex", "html"])
+def test_pdf_tables_become_longtables_with_widths_and_keep_their_numbers(builder_format):
+    from types import SimpleNamespace
+
+    from docutils import nodes
+    from docutils.core import publish_doctree
+
+    module = _latex_tables_module()
+    doctree = publish_doctree(_TABLES_RST, settings_overrides={"report_level": 5})
+    captioned, in_note, plain, spanning = list(doctree.findall(nodes.table))
+    app = SimpleNamespace(builder=SimpleNamespace(format=builder_format))
+    module.mark_tables_long(app, doctree, "index")
+    raws = [r.astext() for r in doctree.findall(nodes.raw)]
+    if builder_format == "html":
+        assert all("longtable" not in t["classes"] for t in (captioned, in_note, plain))
+        assert raws == []
+        return
+    for table in (captioned, plain, spanning):
+        assert "longtable" in table["classes"]
+    assert "longtable" not in in_note["classes"]  # longtable cannot go in an admonition
+    widths = [c["colwidth"] for c in captioned.findall(nodes.colspec)]
+    assert widths == [4, len("a rather long statement that has to wrap")]
+    assert "colwidths-given" in captioned["classes"] and "colwidths-given" in plain["classes"]
+    assert "colwidths-given" not in spanning["classes"]  # spans: Sphinx's own layout
+    # the counter is stepped back after the two uncaptioned longtables only
+    assert raws == ["\\addtocounter{table}{-1}\n"] * 2
+    assert isinstance(plain.next_node(descend=False, siblings=True), nodes.raw)
+    assert not isinstance(captioned.next_node(descend=False, siblings=True), nodes.raw)
+    assert module.column_widths(spanning) is None
+
+
+def test_the_pdf_table_extension_is_configured():
+    config = _config()["sphinx"]
+    assert config["local_extensions"]["latex_tables"] == "book/_latex"
+    assert (REPO / "book" / "_latex" / "latex_tables.py").exists()
