@@ -66,6 +66,7 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     assert ("| Demo chapter (smoke) | **2** {bdg-success}`1 reproduced` {bdg-muted}`1 not "
             "comparable` | **1** {bdg-success-line}`1 holds` |") in report
     assert "### Demo chapter \u00b7 scale `smoke`" in report
+    assert "````{container} report-summary\n| Chapter (scale of its run) |" in report
     assert ("In all: 2 paper claims (1 reproduced, 1 not comparable); and 1 check "
             "(1 holds), not counted as reproductions.") in report
     paper_part, check_part = report.split("## Paper claims")[1].split("## Checks")
@@ -292,7 +293,10 @@ def test_browser_check_detects_broken_image_and_raw_latex(demo_project):
                   "", text, count=1, flags=re.S)
     text = text.replace("</article>", '<div style="width: 600px">wide</div><pre>Error: '
                         '/home/someone/book/x.json</pre><div class="cell tag_parameters">'
-                        "<pre>n = 1</pre></div></article>", 1)
+                        '<pre>n = 1</pre></div><div class="report-summary"><div class="pst-'
+                        'scrollable-table-container" style="overflow-x: auto"><table><tr><td '
+                        'style="min-width: 500px">a table too wide for a phone</td></tr>'
+                        "</table></div></div></article>", 1)
     page.write_text(text)
     report = check_book(p, html_dir, pages=["book/_generated/chapters/demo.html"])
     summary = report.summary()
@@ -303,6 +307,8 @@ def test_browser_check_detects_broken_image_and_raw_latex(demo_project):
     assert "table demo-summary has no Cite line" not in summary, summary
     assert "local absolute paths in the page: ['/home/someone/book/x.json']" in summary
     assert "2 parameters cells shown" in summary
+    assert "does not fit at 400 px: ['div.pst-scrollable-table-container" in summary, summary
+    assert "does not fit at 1400 px" not in summary
     assert set(report.pages[0].screenshots) == {1400, 400}
     proc = _cli(p, "check-html")  # what `make book` runs: a problem is a non-zero exit
     assert proc.returncode == 1 and "images not loaded" in proc.stdout, proc.stdout

@@ -398,23 +398,39 @@ const leaves = Array.from(out).filter(e => !Array.from(out).some(o => o !== e &&
 const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') +
   (e.classList.length ? '.' + Array.from(e.classList).slice(0, 2).join('.') : '') +
   ' (right edge ' + Math.round(e.getBoundingClientRect().right) + ' px)';
-return {scrollWidth: width, innerWidth: w, offenders: leaves.slice(0, 4).map(name)};
+// Boxes that must fit without scrolling even inside their own box (arguments[0]).
+const boxes = Array.from(document.querySelectorAll(arguments[0]))
+  .filter(e => e.scrollWidth > e.clientWidth + 1)
+  .map(e => name(e) + ' scrolls ' + (e.scrollWidth - e.clientWidth) + ' px');
+return {scrollWidth: width, innerWidth: w, offenders: leaves.slice(0, 4).map(name),
+        boxes: boxes.slice(0, 4)};
 """
+
+#: What must fit the screen without a scroll bar of its own: the report's summary table
+#: and the figure index (a reader on a phone reads them whole).
+MUST_FIT = (".report-summary .pst-scrollable-table-container", "table.figure-index")
 
 
 def sideways_problem(state: dict, width: int) -> str:
-    """The problem to report when a page scrolls sideways at ``width`` px, from what
-    :data:`_SIDEWAYS_JS` measured (``scrollWidth``, ``innerWidth``, ``offenders``).
+    """The problem to report when a page scrolls sideways at ``width`` px, or a box of
+    :data:`MUST_FIT` scrolls in itself, from what :data:`_SIDEWAYS_JS` measured
+    (``scrollWidth``, ``innerWidth``, ``offenders``, ``boxes``); empty when all fits.
 
     >>> sideways_problem({"scrollWidth": 400, "innerWidth": 400, "offenders": []}, 400)
     ''
     >>> sideways_problem({"scrollWidth": 612, "innerWidth": 400, "offenders": ["pre"]}, 400)
     "scrolls sideways at 400 px (content 612 px wide): ['pre']"
+    >>> sideways_problem({"scrollWidth": 400, "innerWidth": 400, "offenders": [],
+    ...                   "boxes": ["table.figure-index scrolls 31 px"]}, 400)
+    "does not fit at 400 px: ['table.figure-index scrolls 31 px']"
     """
-    if state["scrollWidth"] <= state["innerWidth"]:
-        return ""
-    return (f"scrolls sideways at {width} px (content {state['scrollWidth']} px wide): "
-            f"{state['offenders']}")
+    problems = []
+    if state["scrollWidth"] > state["innerWidth"]:
+        problems.append(f"scrolls sideways at {width} px (content {state['scrollWidth']} px "
+                        f"wide): {state['offenders']}")
+    if state.get("boxes"):
+        problems.append(f"does not fit at {width} px: {state['boxes']}")
+    return "; ".join(problems)
 
 
 @dataclass
@@ -611,7 +627,8 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                     if width != WIDTHS[0]:  # a fresh load at each width, as a phone sees it
                         _set_viewport(driver, width, 1000)
                         _load(driver, f"{base}/{page}")
-                    problem = sideways_problem(driver.execute_script(_SIDEWAYS_JS), width)
+                    problem = sideways_problem(
+                        driver.execute_script(_SIDEWAYS_JS, ", ".join(MUST_FIT)), width)
                     if problem:
                         res.problems.append(problem)
                     # Full-page screenshot: the viewport as tall as the page.

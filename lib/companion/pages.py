@@ -382,7 +382,9 @@ def reproduction_report(project) -> str:
     headline = [f"In all: {_count_phrase(totals, 'paper', _PAPER_COLUMNS)}; and "
                 f"{_count_phrase(totals, 'check', _CHECK_COLUMNS)}, not counted as "
                 "reproductions.", ""]
-    return "\n".join(lines + headline + summary + [""] + papers + checks) + "\n"
+    # In a container of its own: book.css makes it fit a 400 px screen.
+    boxed = ["````{container} report-summary", *summary, "````"]
+    return "\n".join(lines + headline + boxed + [""] + papers + checks) + "\n"
 
 
 def write_generated_pages(project) -> None:
