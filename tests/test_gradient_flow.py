@@ -602,3 +602,28 @@ def test_simulate_rejects_unknown_process():
     D = gf.initial_weights(2, 3, paths=1)
     with pytest.raises(TypeError, match="process"):
         gf.simulate(x, D, "ou", T=1.0, dt=0.1)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_results_do_not_depend_on_the_thread_count(blocks, monkeypatch):
+    """simulate spends the caller's threads on independent paths (one intra-op thread
+    each): 1 and 2 threads give the same trajectory bit for bit, and the thread count is
+    restored afterwards."""
+    # blocks of 3 rows, or whole matrices in groups of 2 paths: 2 workers either way
+    monkeypatch.setitem(gf._BLOCK_ELEMENTS, "cpu", 3 * 23 * 6 if blocks else 2 * 23 * 23 * 6)
+    g = torch.Generator().manual_seed(9)
+    x = gf.octahedral_tokens(23, paths=5, generator=g)
+    D = gf.initial_weights(6, 3, g, paths=5)
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(gf.simulate(x, D, gf.OrnsteinUhlenbeck(), T=0.03, dt=0.01,
+                                    generator=torch.Generator().manual_seed(1)))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    for key in ("positions", "energy", "energy_rate", "slope_sq", "dissipation",
+                "martingale", "final_weights"):
+        assert torch.equal(getattr(runs[0], key), getattr(runs[1], key)), key

@@ -59,7 +59,9 @@ dense ``[P, H, n, n]`` tensors, the reference the kernel is tested against.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -374,7 +376,8 @@ def _empty(scratch: _Scratch | None, name: str, shape: tuple, kw: dict) -> torch
     return torch.empty(shape, **kw) if scratch is None else scratch.get(name, shape, kw)
 
 
-def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | None = None):
+def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | None = None,
+                           workers: int = 1):
     """Unnormalised softmax moments from the upper triangle of each ``U^h``, or None.
 
     ``U^h_ij = exp(<x_i, D_h x_j>)`` is symmetric in ``(i, j)`` because ``D_h`` is, so
@@ -389,7 +392,9 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
     vectorised ``exp2`` (the weights carry ``log2 e``), one GEMM for the row sums over
     ``j`` and one batched GEMM that hands the same exponentials, transposed, to the rows
     ``j`` beyond the block. Per step: ``P H n (n + c) / 2`` exponentials for blocks of
-    ``c`` rows, ``O(P H n d)`` memory besides one block.
+    ``c`` rows, ``O(P H n d)`` memory besides one block per worker. Paths are independent:
+    ``workers`` threads (each on one intra-op thread) take disjoint sets of paths, and every
+    path's numbers are the same whatever the number of workers.
     """
     P, n, d = tokens.shape
     H = weights.shape[1]
@@ -399,8 +404,11 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
     target = _BLOCK_ELEMENTS.get(tokens.device.type, _DEFAULT_BLOCK_ELEMENTS)
     if P * n * n * H <= 4 * target:  # little work: whole matrices, paths in groups (fewer calls)
         rows, group = n, max(1, min(P, target // (n * n * H)))
+        tasks = [slice(p0, min(P, p0 + group)) for p0 in range(0, P, group)]
     else:  # blocks of rows; at least three, or symmetry saves little
         rows, group = max(1, min(target // (n * H), -(-n // 3))), 1
+        tasks = [slice(p, p + 1) for p in range(P)]
+    workers = max(1, min(workers, len(tasks)))
     kw = {"dtype": tokens.dtype, "device": tokens.device}
     # queries[p, a, i, h] = log2(e) (D_h x_i)_a: computed once, read by every key block
     scaled = (weights * _LOG2E).permute(0, 2, 3, 1)  # [P, d, d, H]
@@ -411,45 +419,56 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
     values_t[:, 1:] = tokens.transpose(1, 2)
     sums = _empty(scratch, "sums", (P, n, d + 1, H), kw)
     head_sums = _empty(scratch, "head_sums", (P, n, n), kw) if with_ito else None  # [p, j, i]
-    # one buffer for every block (a fresh one per block would start cold in the cache)
-    buffer = _empty(scratch, "block", (group * n * rows * H,), kw)
-    row_buffer = _empty(scratch, "block_rows", (group * (d + 1) * rows * H,), kw)
-    if rows == n:
-        for p0 in range(0, P, group):
-            ps = slice(p0, min(P, p0 + group))
-            g = ps.stop - p0
-            u = buffer[:g * n * n * H].view(g, n, n * H)  # u[., j, i H + h] = U^h_ij
-            torch.bmm(tokens[ps], queries[ps].reshape(g, d, n * H), out=u).exp2_()
-            r = row_buffer[:g * (d + 1) * n * H].view(g, d + 1, n * H)
-            torch.bmm(values_t[ps], u, out=r)
-            sums[ps] = r.view(g, d + 1, n, H).transpose(1, 2)
-            if with_ito:
-                torch.sum(u.view(g, n, n, H), -1, out=head_sums[ps])
-    else:
+    if with_ito and rows < n:
+        head_sums.zero_()  # entries j < min I of i's block I stay 0
+
+    def whole(ps, buffer, row_buffer):
+        g = ps.stop - ps.start
+        u = buffer[:g * n * n * H].view(g, n, n * H)  # u[., j, i H + h] = U^h_ij
+        torch.bmm(tokens[ps], queries[ps].reshape(g, d, n * H), out=u).exp2_()
+        r = row_buffer[:g * (d + 1) * n * H].view(g, d + 1, n * H)
+        torch.bmm(values_t[ps], u, out=r)
+        sums[ps] = r.view(g, d + 1, n, H).transpose(1, 2)
         if with_ito:
-            head_sums.zero_()  # entries j < min I of i's block I stay 0
-        for p in range(P):
-            x_p, q_p, v_p, s_p = tokens[p], queries[p], values_t[p], sums[p]
-            for i0 in range(0, n, rows):
-                i1 = min(n, i0 + rows)
-                c, m = i1 - i0, n - i0
-                u = buffer[:m * c * H].view(m, c * H)  # u[j, i H + h] = U^h_ij, j >= i0
-                torch.mm(x_p[i0:], q_p[:, i0:i1].reshape(d, c * H), out=u).exp2_()
-                r = row_buffer[:(d + 1) * c * H].view(d + 1, c * H)
-                torch.mm(v_p[:, i0:], u, out=r)
-                r = r.view(d + 1, c, H).transpose(0, 1)
-                if i0 == 0:
-                    s_p[:i1] = r
-                else:  # rows of earlier blocks have handed over their part already
-                    s_p[i0:i1] += r
-                u = u.view(m, c, H)
-                if with_ito:
-                    torch.sum(u, -1, out=head_sums[p, i0:, i0:i1])
-                if i1 == n:
-                    continue
-                # U^h_ji = U^h_ij: the block's exponentials serve the rows j >= i1
-                v_block = v_p[:, i0:i1].expand(m - c, d + 1, c)
-                s_p[i1:].baddbmm_(v_block, u[c:], beta=0.0 if i0 == 0 else 1.0)
+            torch.sum(u.view(g, n, n, H), -1, out=head_sums[ps])
+
+    def blocks(ps, buffer, row_buffer):
+        p = ps.start
+        x_p, q_p, v_p, s_p = tokens[p], queries[p], values_t[p], sums[p]
+        for i0 in range(0, n, rows):
+            i1 = min(n, i0 + rows)
+            c, m = i1 - i0, n - i0
+            u = buffer[:m * c * H].view(m, c * H)  # u[j, i H + h] = U^h_ij, j >= i0
+            torch.mm(x_p[i0:], q_p[:, i0:i1].reshape(d, c * H), out=u).exp2_()
+            r = row_buffer[:(d + 1) * c * H].view(d + 1, c * H)
+            torch.mm(v_p[:, i0:], u, out=r)
+            r = r.view(d + 1, c, H).transpose(0, 1)
+            if i0 == 0:
+                s_p[:i1] = r
+            else:  # rows of earlier blocks have handed over their part already
+                s_p[i0:i1] += r
+            u = u.view(m, c, H)
+            if with_ito:
+                torch.sum(u, -1, out=head_sums[p, i0:, i0:i1])
+            if i1 < n:  # U^h_ji = U^h_ij: the block's exponentials serve the rows j >= i1
+                s_p[i1:].baddbmm_(v_p[:, i0:i1].expand(m - c, d + 1, c), u[c:],
+                                  beta=0.0 if i0 == 0 else 1.0)
+
+    run = whole if rows == n else blocks
+
+    def work(w):  # worker w: tasks w, w + workers, ...; its own block buffers
+        buffer = _empty(scratch, f"block{w}", (group * n * rows * H,), kw)
+        row_buffer = _empty(scratch, f"block_rows{w}", (group * (d + 1) * rows * H,), kw)
+        if workers > 1:
+            torch.set_num_threads(1)  # this thread's OpenMP and MKL settings
+        for ps in tasks[w::workers]:
+            run(ps, buffer, row_buffer)
+
+    if workers == 1:
+        work(0)
+    else:
+        for future in [_pool().submit(work, w) for w in range(workers)]:
+            future.result()
     ito = None
     if with_ito:
         weights_ito = torch.bmm(tokens, tokens.transpose(1, 2),  # [p, j, i]: <x_j, x_i>
@@ -461,6 +480,40 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
                                          2.0).to(tokens.dtype))
         ito = head_sums.mul_(weights_ito).sum((1, 2))  # pairwise summation
     return sums, ito
+
+
+_POOL = None
+
+
+def _pool():
+    """The worker threads of :func:`_symmetric_exp_moments` (created on first use)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                   thread_name_prefix="gradient_flow")
+    return _POOL
+
+
+@contextlib.contextmanager
+def _path_workers(device: torch.device):
+    """Yield the number of path workers for a step on ``device`` and run the step's own
+    tensor operations on one intra-op thread meanwhile (restored afterwards).
+
+    A step is many small kernels: with several intra-op threads each one synchronises the
+    threads, which on a loaded 2-core machine made a step 20x slower than on one thread.
+    The caller's thread count is spent instead on independent paths, one thread each.
+    """
+    if device.type != "cpu":
+        yield 1
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield before
+    finally:
+        torch.set_num_threads(before)
 
 
 def _softmax_moments(queries, keys, values, max_chunk_elements: int = 1 << 25):
@@ -559,7 +612,9 @@ def step_quantities(
     all heads of a block of ``c`` query rows in one GEMM, and every quantity read off the
     moments ``sum_j U^h_ij``, ``sum_j U^h_ij x_j`` (and, with noise, the Itô sum
     ``sum U^h_ij (1 + <x_i, x_j>^2)``). Weights so large that unshifted exponentials
-    could overflow take a max-shifted path instead.
+    could overflow take a max-shifted path instead. On CPU the torch threads are spent on
+    independent paths, one intra-op thread each (the results do not depend on the thread
+    count); the setting is restored on return.
 
     Parameters
     ----------
@@ -591,15 +646,17 @@ def step_quantities(
     """
     if validate:
         sign, sigma = _check_step_args(tokens, weights, sign, drift, sigma, noise)
-    return _step(tokens, weights, sign, drift, sigma, noise, None)
+    with _path_workers(tokens.device) as workers:
+        return _step(tokens, weights, sign, drift, sigma, noise, None, workers)
 
 
-def _step(tokens, weights, sign, drift, sigma, noise, scratch: _Scratch | None):
+def _step(tokens, weights, sign, drift, sigma, noise, scratch: _Scratch | None,
+          workers: int = 1):
     """:func:`step_quantities` on checked arguments, with reusable scratch tensors."""
     P, n, d = tokens.shape
     H = weights.shape[1]
     with_ito = sigma > 0
-    sym = _symmetric_exp_moments(tokens, weights, with_ito, scratch)
+    sym = _symmetric_exp_moments(tokens, weights, with_ito, scratch, workers)
     if sym is not None:
         sums, ito = sym
         s0 = sums[:, :, 0]  # [P, n, H]: n Z_ih
@@ -820,7 +877,9 @@ def simulate(
     :class:`Trajectory`.
 
     Complexity: ``round(T/dt)`` steps of ``O(P H n^2 d)`` time each; memory
-    ``O(P H n d^2)`` per step plus the records.
+    ``O(P H n d)`` per step (scratch tensors reused by every step) plus the records. On CPU
+    the steps run with the torch threads spent on independent paths, as in
+    :func:`step_quantities`.
     """
     tokens = _check_tokens(tokens)
     weights = _check_weights(weights, tokens)
@@ -855,38 +914,39 @@ def simulate(
         from tqdm.auto import tqdm
 
         iterator = tqdm(iterator, desc=f"simulate H={H}", leave=False)
-    for k in iterator:
-        t = k * dt
-        last = k == steps
-        drift = process.drift(D, t)
-        noise = None
-        if not last and sigma > 0:
-            z = torch.randn(P, H, d, d, generator=generator, **kw)
-            noise = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
-        q = _step(x, D, sign, drift, sigma, noise, scratch)
-        if k in record_at:
-            times.append(t)
-            for key, val in (("energy", q["energy"]), ("energy_rate", q["energy_rate"]),
-                             ("slope_sq", q["slope_sq"]), ("dissipation", q["dissipation"]),
-                             ("int_slope_sq", acc["G"]), ("int_dissipation", acc["D"]),
-                             ("int_energy_rate", acc["R"]), ("martingale", acc["M"])):
-                rec[key].append(val.clone())
-            if record_positions:
-                pos.append(x.clone())
-            if record_weights:
-                wts.append(D.clone())
-        if last:
-            break
-        acc["G"] += q["slope_sq"] * dt
-        acc["D"] += q["dissipation"] * dt
-        acc["R"] += q["energy_rate"] * dt
-        acc["M"] += q["martingale_increment"]
-        x = x + dt * q["velocity"]
-        x = x / x.norm(dim=-1, keepdim=True)
-        if drift is not None:
-            D = D + dt * drift
-        if noise is not None:
-            D = D + sigma * noise
+    with _path_workers(x.device) as workers:
+        for k in iterator:
+            t = k * dt
+            last = k == steps
+            drift = process.drift(D, t)
+            noise = None
+            if not last and sigma > 0:
+                z = torch.randn(P, H, d, d, generator=generator, **kw)
+                noise = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
+            q = _step(x, D, sign, drift, sigma, noise, scratch, workers)
+            if k in record_at:
+                times.append(t)
+                for key, val in (("energy", q["energy"]), ("energy_rate", q["energy_rate"]),
+                                 ("slope_sq", q["slope_sq"]), ("dissipation", q["dissipation"]),
+                                 ("int_slope_sq", acc["G"]), ("int_dissipation", acc["D"]),
+                                 ("int_energy_rate", acc["R"]), ("martingale", acc["M"])):
+                    rec[key].append(val.clone())
+                if record_positions:
+                    pos.append(x.clone())
+                if record_weights:
+                    wts.append(D.clone())
+            if last:
+                break
+            acc["G"] += q["slope_sq"] * dt
+            acc["D"] += q["dissipation"] * dt
+            acc["R"] += q["energy_rate"] * dt
+            acc["M"] += q["martingale_increment"]
+            x = x + dt * q["velocity"]
+            x = x / x.norm(dim=-1, keepdim=True)
+            if drift is not None:
+                D = D + dt * drift
+            if noise is not None:
+                D = D + sigma * noise
     out = {k: torch.stack(v) for k, v in rec.items()}
     dE = out["energy"] - out["energy"][:1]
     base = dE - out["int_energy_rate"] - out["martingale"]
