@@ -166,3 +166,23 @@ def test_book_assets_copies_item_files_to_the_same_place_in_the_build(tmp_path):
     assert (out / "book/_generated/assets/demo/figures/demo-a.bib").read_text() == "demo-a.bib"
     assert assets.copy_item_files(src, out) == 0, "unchanged files are not copied again"
     assert assets.copy_item_files(tmp_path / "nothing", out) == 0
+
+
+def test_broken_links_are_relative_links_without_a_file_in_the_build(tmp_path):
+    from companion.htmlcheck import broken_links
+
+    page = "book/_generated/figure_index.html"
+    (tmp_path / "book" / "_generated" / "assets").mkdir(parents=True)
+    (tmp_path / "book" / "_generated" / "assets" / "a.png").write_text("x")
+    (tmp_path / "_images").mkdir()
+    (tmp_path / "_images" / "b.png").write_text("x")
+    html = ('<img src="../../_images/b.png"><a href="assets/a.png">ok</a>'
+            '<a href="assets/a.png#frag">ok</a><a href="assets/missing.pdf">no</a>'
+            '<img src="../../_images/gone.png"><a href="../../../outside.html">out</a>'
+            '<a href="https://github.com/o/r">web</a><a href="#here">anchor</a>'
+            '<img src="data:image/png;base64,AAAA">')
+    assert broken_links(html, page, tmp_path) == [
+        "assets/missing.pdf", "../../_images/gone.png", "../../../outside.html"]
+    problems = page_problems(html, page, tmp_path)
+    assert problems == ["links to files missing from the build: ['assets/missing.pdf', "
+                        "'../../_images/gone.png', '../../../outside.html']"]

@@ -311,6 +311,28 @@ def _missing_in_build(href: str, page: str, build_dir: Path) -> bool:
     return target.startswith("..") or not (build_dir / target).is_file()
 
 
+def broken_links(page_html: str, page: str, build_dir: Path) -> list[str]:
+    """The relative links of a page (``<a href>``, ``<img src>``) that name no file of the
+    build at ``build_dir`` (``page`` is the page's path in it); links to other sites and
+    within the page are not followed.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as build:
+    ...     _ = (Path(build) / "a.png").write_text("x")
+    ...     broken_links('<img src="a.png"><a href="b.pdf">b</a><a href="#top">t</a>'
+    ...                  '<a href="https://x.org/c">c</a>', "index.html", Path(build))
+    ['b.pdf']
+    """
+    found = []
+    for node in _tree(page_html).iter():
+        attr = {"a": "href", "img": "src"}.get(node.tag)
+        link = node.attrs.get(attr or "", "")
+        if link and not link.startswith(("#", "data:", "mailto:", "javascript:")) and \
+                _missing_in_build(link, page, Path(build_dir)):
+            found.append(link)
+    return list(dict.fromkeys(found))
+
+
 #: Classes of a code cell that is the chapter's parameters cell (papermill's tags).
 PARAMETERS_TAGS = ("tag_parameters", "tag_injected-parameters")
 
@@ -361,12 +383,17 @@ def local_paths(page_html: str) -> list[str]:
 
 def page_problems(page_html: str, page: str, build_dir: Path | None = None,
                   chapter_page: bool = False) -> list[str]:
-    """The HTML checks of one page (no browser needed): local paths on every page; on a
+    """The HTML checks of one page (no browser needed): on every page no local path
+    and, given ``build_dir``, no relative link to a file missing from the build; on a
     chapter page also the Cite lines and the one parameters cell."""
     problems = []
     paths = local_paths(page_html)
     if paths:
         problems.append(f"local absolute paths in the page: {paths[:3]}")
+    if build_dir is not None:
+        missing = broken_links(page_html, page, build_dir)
+        if missing:
+            problems.append(f"links to files missing from the build: {missing[:3]}")
     if chapter_page:
         problems += cite_line_problems(page_html, page, build_dir)
         problems += parameters_cell_problems(page_html)
