@@ -5,14 +5,30 @@ A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running
 1. reads it with jupytext and parses its ``parameters`` cell (the first code cell) into
    names and literal defaults; validates the requested parameters against them (an
    unknown name, unknown scale or wrongly typed value is an error listing the valid ones);
+   Parameters other than the defaults replace the book's page, so the CLI refuses them
+   without ``--out`` (below) or ``--publish``;
 2. skips the run when a cached good run has the same key (chapter source, ``lib/``
-   sources, parameters and installed package versions), unless forced;
+   sources, parameters, processes and installed package versions), unless forced;
 3. executes it with papermill into a private staging folder, the chapter writing its
-   figures, tables, claims and kernel log there (see :mod:`companion.provenance`);
-4. on success swaps the staging outputs into ``book/_generated/`` and adds a box with
-   the parameters, scale, device, commit, run time and the command to re-execute;
+   figures, tables, claims and kernel log there (see :mod:`companion.provenance`). It
+   prints the log's path when it starts and, every :data:`PROGRESS_SECONDS`
+   (``$COMPANION_PROGRESS_SECONDS``), the cell it is executing ("cell k of N");
+4. on success swaps the staging outputs into ``book/_generated/`` and finishes the
+   notebook for the page (:func:`finish_notebook`): a hidden first cell that installs the
+   library when it is missing (a downloaded notebook runs outside a clone), one
+   parameters cell shown (papermill's, with the effective values), and under the title
+   the scale banner (below paper scale: with the command that runs paper scale) and a
+   box with the parameters, scale, device, commit (a link), run time and the command to
+   re-execute;
 5. on failure keeps the previous good outputs, marks them stale (banner on the page and
    in the figure index), names the chapter, cell and exception, and exits non-zero.
+
+``run --out DIR`` (``run_chapter(out=DIR)``) executes into ``DIR`` instead: notebook,
+figures, tables, claims, log, ``run.json`` and a one-page HTML book
+(``DIR/html/<name>.html``), leaving ``book/_generated/`` untouched. ``build`` runs each
+chapter at its scale (:func:`parse_scale_spec`; ``publish`` is :data:`PUBLISH_SCALES`)
+and relays each run's lines as they come. ``--nproc N`` reaches the kernel as
+``$COMPANION_NPROC`` (:mod:`companion.parallel` reads it).
 
 Faults and limits:
 
@@ -602,8 +618,8 @@ def effective_parameters_source(source: str, params: dict[str, Any]) -> str:
 
     Comments and layout stay; a value equal to the written default stays as written.
 
-    >>> effective_parameters_source('seed = 0  # the seed\nn = 4\n', {"seed": 3, "n": 4})
-    'seed = 3  # the seed\nn = 4\n'
+    >>> effective_parameters_source('seed = 0  # the seed\\nn = 4\\n', {"seed": 3, "n": 4})
+    'seed = 3  # the seed\\nn = 4\\n'
     """
     tree = ast.parse(source)
     lines = source.split("\n")
@@ -618,7 +634,7 @@ def effective_parameters_source(source: str, params: dict[str, Any]) -> str:
         text = repr(value)
         if isinstance(value, str) and isinstance(written, str) and (
                 ast.get_source_segment(source, node.value) or "").startswith('"'):
-            text = json.dumps(value, ensure_ascii=False)  # the chapter's quotes (a str without escapes)
+            text = json.dumps(value, ensure_ascii=False)  # the chapter's quotes
             if ast.literal_eval(text) != value:
                 text = repr(value)
         edits.append((node.value.lineno - 1, node.value.col_offset,
