@@ -5,14 +5,17 @@ of contents is opened and must: load, have every ``<img>`` loaded (naturalWidth 
 render its maths with the local MathJax (no script fetched from another host, no TeX
 error), show no raw LaTeX in its text (:func:`raw_latex`: ``$...$``, ``$$``, ``\\sqrt``,
 ``x_{i}`` outside code and maths, i.e. maths the Markdown parser did not recognise),
-and log no console error. At 1400 px and at 400 px of width no page may scroll sideways
-(:func:`sideways_problem`). On a chapter page (``book/_generated/chapters/``) every
-numbered figure and table has its Cite line and the line's links resolve in the build
-(:func:`cite_line_problems`), and there is exactly one parameters cell
-(:func:`parameters_cell_problems`). No page's text or links show a local absolute path
-(:func:`local_paths`: ``/tmp/...``, ``/home/...``, ``/root/...``, ``/work/...``,
-``/Users/...``). The HTML checks are plain functions of the page's HTML, tested on small
-hand-written pages; the browser applies them to the rendered page (``page_source``).
+and log no console error. At 1400 px and at 400 px of width no page may scroll sideways,
+and the report's summary and the figure index fit without a scroll bar of their own
+(:func:`sideways_problem`, :data:`MUST_FIT`). No relative link or image of a page may
+name a file missing from the build (:func:`broken_links`). On a chapter page
+(``book/_generated/chapters/``) every numbered figure and table has its Cite line and
+the line's links resolve in the build (:func:`cite_line_problems`), and there is exactly
+one parameters cell (:func:`parameters_cell_problems`). No page's text or links show a
+local absolute path (:func:`local_paths`: ``/tmp/...``, ``/home/...``, ``/root/...``,
+``/work/...``, ``/Users/...``). The HTML checks are plain functions of the page's
+HTML, tested on small hand-written pages; the browser applies them to the rendered page
+(``page_source``).
 Screenshots of each page at both widths are saved under ``<build>/../screenshots/``.
 
 Outcomes (the exit code of ``python -m companion check-html``, :attr:`Report.exit_code`):
