@@ -65,8 +65,9 @@ pages: setup
 	$(PY) -m companion pages
 
 # The book as one PDF, from the chapters as last executed (book/_generated/: run `make book`
-# or `make publish` first): Jupyter Book's LaTeX builder with xelatex (see _config.yml),
-# copied next to the HTML book as attention-reproduced.pdf (linked from the intro).
+# or `make publish` first): Jupyter Book's LaTeX builder with xelatex (see _config.yml).
+# A built HTML book is then rebuilt: it carries the PDF as $(PDF_NAME) and its intro
+# links it (book/_ext/pdf_link.py; a book built without the PDF has no such link).
 # TeX Live comes from Debian (about 400 MB), installed when root like `browser`.
 TEX_PACKAGES := texlive-latex-extra texlive-latex-recommended texlive-fonts-recommended \
 	texlive-xetex latexmk tex-gyre fonts-freefont-otf lmodern
@@ -92,9 +93,11 @@ pdf: setup latex
 	$(VENV)/bin/jupyter-book build . --path-output book --builder pdflatex
 	@test -s book/_build/latex/book.pdf || { echo "pdf: the build made no" \
 	  "book/_build/latex/book.pdf (log: book/_build/latex/book.log)" >&2; exit 1; }
-	@mkdir -p book/_build/html
-	cp book/_build/latex/book.pdf book/_build/html/$(PDF_NAME)
-	@echo "pdf: book/_build/latex/book.pdf (and book/_build/html/$(PDF_NAME))"
+	@if [ -f book/_build/html/index.html ]; then \
+	  echo "pdf: rebuilding the HTML book: its intro links the PDF, which it carries"; \
+	  $(PY) -c "from companion.runner import Project, build_html; build_html(Project('.'))" \
+	  && test -s book/_build/html/$(PDF_NAME); fi
+	@echo "pdf: book/_build/latex/book.pdf"
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile -q

@@ -344,9 +344,13 @@ def test_make_pdf_builds_with_the_latex_builder_and_the_intro_links_it():
     recipe = text.split("\npdf:", 1)[1].split("\n\n", 1)[0]
     assert "jupyter-book build . --path-output book --builder pdflatex" in recipe
     name = _makefile_variable("PDF_NAME")
-    assert "book/_build/html/$(PDF_NAME)" in recipe
-    # book/intro.md is built to html/book/intro.html; the PDF sits at the site's root
-    assert f'href="../{name}"' in (REPO / "book" / "intro.md").read_text()
+    assert "build_html(Project('.'))" in recipe and "book/_build/html/$(PDF_NAME)" in recipe
+    # book/intro.md is built to html/book/intro.html; the PDF sits at the site's root,
+    # where book/_ext/pdf_link.py copies it, in a container it keeps only with a PDF
+    intro = (REPO / "book" / "intro.md").read_text()
+    link = intro.split("```{container} pdf-link\n", 1)[1].split("```", 1)[0]
+    assert f'href="../{name}"' in link
+    assert _pdf_link_module().PDF_NAME == name
     assert "pdf" in re.search(r"^\.PHONY: (.*)$", text, re.M).group(1).split()
 
 
@@ -407,14 +411,22 @@ def test_the_wheel_is_attention_reproduced_and_holds_companion(tmp_path):
     assert f"Requires-Dist: {site.DISTRIBUTION}[book,dev,nlp]; extra == \"all\"" in metadata
 
 
-def _latex_tables_module():
+def _extension(name: str):
     import importlib.util
 
-    path = REPO / "book" / "_latex" / "latex_tables.py"
-    spec = importlib.util.spec_from_file_location("latex_tables", path)
+    path = REPO / "book" / "_ext" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _latex_tables_module():
+    return _extension("latex_tables")
+
+
+def _pdf_link_module():
+    return _extension("pdf_link")
 
 
 _TABLES_RST = """
@@ -481,5 +493,45 @@ def test_pdf_tables_become_longtables_with_widths_and_keep_their_numbers(builder
 
 def test_the_pdf_table_extension_is_configured():
     config = _config()["sphinx"]
-    assert config["local_extensions"]["latex_tables"] == "book/_latex"
-    assert (REPO / "book" / "_latex" / "latex_tables.py").exists()
+    assert config["local_extensions"]["latex_tables"] == "book/_ext"
+    assert (REPO / "book" / "_ext" / "latex_tables.py").exists()
+
+
+def _sphinx_build(src: Path, out: Path, builder: str) -> None:
+    from sphinx.cmd.build import build_main
+
+    assert build_main(["-q", "-W", "-b", builder, "-d", str(out.parent / ".doctrees"),
+                       str(src), str(out)]) == 0
+
+
+def test_pdf_link_follows_the_pdf_and_the_site_carries_it(tmp_path):
+    module = _pdf_link_module()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'book' / '_ext')!r})\n"
+        "extensions = ['pdf_link']\n")
+    (src / "index.rst").write_text(
+        "Book\n====\n\n.. container:: pdf-link\n\n   The whole book as one PDF_.\n\n"
+        f".. _PDF: {module.PDF_NAME}\n\nAfter the link.\n")
+    build = tmp_path / "_build"
+    html = build / "html"
+    _sphinx_build(src, html, "html")
+    page = (html / "index.html").read_text()
+    assert "After the link." in page and "pdf-link" not in page  # no PDF: no link
+    assert not (html / module.PDF_NAME).exists()
+
+    (build / "latex").mkdir()
+    (build / "latex" / "book.pdf").write_bytes(b"%PDF-1.5 test")
+    _sphinx_build(src, html, "html")  # incremental: the page is read again
+    page = (html / "index.html").read_text()
+    assert "pdf-link" in page and f'href="{module.PDF_NAME}"' in page
+    assert (html / module.PDF_NAME).read_bytes() == b"%PDF-1.5 test"
+
+    _sphinx_build(src, build / "latex", "latex")  # the PDF never links itself
+    tex = next((build / "latex").glob("*.tex")).read_text()
+    assert "After the link." in tex and "The whole book as one" not in tex
+
+    (build / "latex" / "book.pdf").unlink()
+    _sphinx_build(src, html, "html")
+    assert "pdf-link" not in (html / "index.html").read_text()
