@@ -1197,7 +1197,7 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
         staging.mkdir()
         _write_notebook(nb, input_nb)
         echo(f"[start] {name} (scale={params['scale']}, device={params['device']}) into "
-             f"{folder}: log {folder / log.name}")
+             f"{folder}: log {log} (then {folder / log.name})")
         progress = _Progress(name, _code_cells(nb))
         with _kernel_environment(env_updates):
             outcome = _execute_notebook(input_nb, output_nb, log, params, project.root,
@@ -1211,6 +1211,11 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
             executed = read_notebook_ipynb(output_nb)
             record.update(status="ok", device=_detected_device(params["device"]))
             finish_notebook(executed, record)
+            if "{cite" in json.dumps([c.source for c in executed.cells]) and (
+                    project.root / "book" / "references.bib").exists():
+                # the book lists references on a page of its own; this page lists its own
+                executed.cells.append(_markdown_cell("## References\n\n```{bibliography}\n```",
+                                                     "companion-references"))
             _write_notebook(executed, output_nb)
             html = _html_page(project, staging, name, echo)
         else:
