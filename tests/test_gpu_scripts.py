@@ -85,6 +85,43 @@ def test_gpu_paper_sbm_tiny_end_to_end(tmp_path):
     assert result["data"]["majority_test_accuracy"] == pytest.approx(majority)
     table = out.with_suffix(".md").read_text()
     assert "| dense |" in table and "| sbm, λ = 0.0001 |" in table and "tiny check" in table
+    # the SBM chapter's cell that shows this file: a table marked as not executed by the
+    # build, with the device; and a plain sentence when the file is absent
+    shown = _chapter_gpu_cell(tmp_path / "repo", result)
+    (df, table_id, caption), = shown["tables"]
+    assert table_id == "sbm-transformer-gpu-paper-listops" and len(df) == 3
+    assert caption.startswith("Not executed by this build: a tiny check")
+    assert result["device"] in caption and result["commit"][:7] in caption
+    assert list(df["test accuracy"]) == [round(r["test_accuracy"], 3) for r in result["runs"]]
+    shown = _chapter_gpu_cell(tmp_path / "empty-repo", None)
+    assert not shown["tables"] and "No GPU results in this build" in shown["text"][0]
+
+
+def _chapter_gpu_cell(root, result):
+    """Run the chapter's GPU-results cell against ``root`` (holding ``result`` as
+    benchmarks/results/gpu_paper_sbm.json, or nothing); what it would show."""
+    import re
+
+    import pandas as pd
+
+    source = (REPO / "chapters" / "sbm_transformer.md").read_text()
+    (cell,) = [c for c in re.findall(r"```\{code-cell\} ipython3\n(.*?)```", source, re.S)
+               if "gpu_paper_sbm.json" in c and "save_table" in c]
+    if result is not None:
+        (root / "benchmarks" / "results").mkdir(parents=True)
+        (root / "benchmarks" / "results" / "gpu_paper_sbm.json").write_text(json.dumps(result))
+    shown = {"tables": [], "text": []}
+
+    class Prose:
+        @staticmethod
+        def show(text):
+            shown["text"].append(text)
+
+    namespace = {"json": json, "pd": pd, "prose": Prose, "repo_root": lambda: root,
+                 "save_table": lambda *args: shown["tables"].append(args)}
+    code = "\n".join(line for line in cell.splitlines() if not line.startswith(":tags:"))
+    exec(compile(code, "sbm_transformer.md", "exec"), namespace)
+    return shown
 
 
 def test_gpu_paper_sbm_bad_arguments_name_the_option(tmp_path):
