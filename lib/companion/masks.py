@@ -152,7 +152,7 @@ def prefix_lm_mask_mod(prefix: int) -> MaskMod:
 
 
 def block_two_stream_mask_mod(n: int, block: int) -> MaskMod:
-    """Block two-stream mask (sequence length ``c + n``; layout: :func:`block_two_stream_mask`).
+    """Block two-stream mask, sequence length ``c + n`` (:func:`block_two_stream_mask`).
 
     Content rows are block-causal; the mask token for token ``t`` attends the content of
     earlier blocks and every mask token of its own block, never its own block's content.
