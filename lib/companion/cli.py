@@ -189,12 +189,16 @@ def _main(argv: list[str] | None) -> int:
             print(report.summary())
             return report.exit_code
         if args.command == "list":
-            from companion.runner import parameters_cell_index, parse_parameters, read_notebook
+            from companion.runner import (PUBLISH_SCALES, parameters_cell_index,
+                                          parse_parameters, read_notebook)
 
             for name in project.chapter_names():
                 nb = read_notebook(project.source(name))
                 params = parse_parameters(nb.cells[parameters_cell_index(nb)].source)
-                print(f"{name}: " + ", ".join(f"{k}={v!r}" for k, v in params.items()))
+                published = (f" [published at {PUBLISH_SCALES[name]}]"
+                             if name in PUBLISH_SCALES else "")
+                print(f"{name}{published}: "
+                      + ", ".join(f"{k}={v!r}" for k, v in params.items()))
             return 0
     except ChapterError as exc:
         print(f"error: {exc}", file=sys.stderr)
