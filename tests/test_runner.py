@@ -756,3 +756,17 @@ def test_bad_progress_period_is_refused(demo_project):
                           env={**os.environ, runner.ENV_PROGRESS_SECONDS: "soon"})
     assert proc.returncode == 2
     assert "COMPANION_PROGRESS_SECONDS: expected a positive number of seconds" in proc.stderr
+
+
+def test_the_pages_re_execute_command_is_accepted(demo_project):
+    """The command in the run box (defaults, with -p seed 0) needs no --publish."""
+    import shlex
+
+    p = demo_project
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    command = json.loads(p.run_record("demo").read_text())["command"]
+    assert "-p seed 0" in command and "--publish" not in command
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "companion"]
+    proc = _cli(p, *argv[3:], timeout=SAFETY_DEADLINE)
+    assert proc.returncode == 0, proc.stderr
