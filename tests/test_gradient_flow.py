@@ -469,6 +469,23 @@ def test_w2_sphere_against_brute_force_permutations():
     assert gf.w2_sphere(x, x[torch.randperm(6, generator=g)]).item() < 1e-6
 
 
+def test_w2_sphere_batch_on_two_threads_equals_item_by_item():
+    """The batch is shared among worker threads: same numbers as one item at a time."""
+    g = torch.Generator().manual_seed(10)
+    x = gf.uniform_sphere(7, 3, g, paths=6).view(3, 2, 7, 3)
+    y = gf.uniform_sphere(7, 3, g, paths=6).view(3, 2, 7, 3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = gf.w2_sphere(x, y)
+    finally:
+        torch.set_num_threads(before)
+    assert batched.shape == (3, 2)
+    single = torch.stack([torch.stack([gf.w2_sphere(x[a, b], y[a, b]) for b in range(2)])
+                          for a in range(3)])
+    assert torch.equal(batched, single)
+
+
 def test_sign_plus_clusters_and_minus_spreads():
     g = torch.Generator().manual_seed(9)
     n = 32

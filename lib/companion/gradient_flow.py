@@ -1133,7 +1133,8 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
     Returns
     -------
     Tensor of shape ``[...]`` on ``x``'s device (the assignment itself is solved on CPU
-    in float64). Complexity O(batch n^3).
+    in float64, the batch shared among ``torch.get_num_threads()`` worker threads).
+    Complexity O(batch n^3).
     """
     from scipy.optimize import linear_sum_assignment
 
@@ -1147,15 +1148,26 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
     xs = x.detach().to("cpu", torch.float64).reshape(-1, *x.shape[-2:]).numpy()
     ys = y.detach().to("cpu", torch.float64).reshape(-1, *y.shape[-2:]).numpy()
     out = np.empty(xs.shape[0])
-    for b in range(xs.shape[0]):  # scipy's assignment solver is not batched
-        # |x - y| from differences, not 2 - 2<x, y>: exact 0 for equal points
-        chord = np.linalg.norm(xs[b][:, None, :] - ys[b][None, :, :], axis=-1)
-        if cost == "geodesic":
-            c2 = (2 * np.arcsin(np.clip(chord / 2, 0.0, 1.0))) ** 2  # angle, stable near 0
-        else:
-            c2 = chord**2
-        r, c = linear_sum_assignment(c2)
-        out[b] = math.sqrt(c2[r, c].mean())
+
+    def solve(batch):  # scipy's assignment solver is not batched; it releases the GIL
+        for b in batch:
+            # |x - y| from differences, not 2 - 2<x, y>: exact 0 for equal points
+            chord = np.linalg.norm(xs[b][:, None, :] - ys[b][None, :, :], axis=-1)
+            if cost == "geodesic":
+                c2 = (2 * np.arcsin(np.clip(chord / 2, 0.0, 1.0))) ** 2  # stable near 0
+            else:
+                c2 = chord**2
+            r, c = linear_sum_assignment(c2)
+            out[b] = math.sqrt(c2[r, c].mean())
+
+    # the torch threads' worth of worker threads, each with its share of the batch
+    workers = max(1, min(torch.get_num_threads(), xs.shape[0]))
+    if workers == 1:
+        solve(range(xs.shape[0]))
+    else:
+        for future in [_pool().submit(solve, range(w, xs.shape[0], workers))
+                       for w in range(workers)]:
+            future.result()
     return torch.as_tensor(out, dtype=x.dtype).reshape(x.shape[:-2]).to(x.device)
 
 
