@@ -95,11 +95,16 @@ def package_versions() -> dict[str, str]:
     from importlib import metadata
 
     versions = {}
-    for name in ("torch", "numpy", "matplotlib", "companion"):
+    from companion.site import DISTRIBUTION
+
+    # the library is recorded as "companion" (its import name); its distribution on
+    # PyPI is attention-reproduced
+    for key, dist in (("torch", "torch"), ("numpy", "numpy"), ("matplotlib", "matplotlib"),
+                      ("companion", DISTRIBUTION)):
         try:
-            versions[name] = metadata.version(name)
+            versions[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+            versions[key] = "not installed"
     return versions
 
 
@@ -573,7 +578,15 @@ def save_figure(fig, figure_id: str, caption: str) -> dict[str, Any]:
         f"{caption.strip()}\n```\n\n"
         + cite_line(sidecar, f"{chapter.asset_url}/figures", bibtex)
     )
-    _display_markdown(markdown, {"image/png": base64.b64encode(png).decode("ascii")})
+    data = base64.b64encode(png).decode("ascii")
+    # The book renders the MyST text/markdown (nb_mime_priority_overrides); Jupyter,
+    # Binder and Colab would show the {figure} directive as text, and pick this instead.
+    import html
+
+    figure_html = (f'<figure><img src="data:image/png;base64,{data}" '
+                   f'alt="{html.escape(_one_line(caption))}" style="max-width:100%">'
+                   f"<figcaption>{html.escape(caption.strip())}</figcaption></figure>")
+    _display_markdown(markdown, {"image/png": data, "text/html": figure_html})
     return sidecar
 
 
