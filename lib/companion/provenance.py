@@ -59,13 +59,19 @@ _SAVE_METADATA = {
 
 
 def repo_root(start: Path | None = None) -> Path:
-    """The repository root: the nearest folder above ``start`` holding ``_config.yml``."""
+    """The repository root: the nearest folder above ``start`` holding ``_config.yml``
+    and ``lib/companion``; else the checkout of an editable install; else (the library
+    installed from a wheel, a notebook run outside any clone) the current folder."""
     here = Path(start or Path.cwd()).resolve()
     for folder in (here, *here.parents):
-        if (folder / "_config.yml").exists() and (folder / "lib" / "companion").exists():
+        if _is_checkout(folder):
             return folder
-    # Fall back on the package location (editable install: lib/companion/provenance.py).
-    return Path(__file__).resolve().parents[2]
+    package_checkout = Path(__file__).resolve().parents[2]  # lib/companion/provenance.py
+    return package_checkout if _is_checkout(package_checkout) else here
+
+
+def _is_checkout(folder: Path) -> bool:
+    return (folder / "_config.yml").exists() and (folder / "lib" / "companion").exists()
 
 
 def git_state(root: Path | None = None) -> tuple[str, bool]:
