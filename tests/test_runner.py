@@ -770,3 +770,28 @@ def test_the_pages_re_execute_command_is_accepted(demo_project):
     assert argv[:3] == ["python", "-m", "companion"]
     proc = _cli(p, *argv[3:], timeout=SAFETY_DEADLINE)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_chapter_inputs_enter_the_cache_key(demo_project):
+    """A file named under companion.inputs in the front matter changes the cache key when
+    it appears or changes; a chapter without the key has no inputs."""
+    from companion.runner import ChapterError, cache_key, chapter_inputs
+
+    project = demo_project
+    source = project.source("demo")
+    assert chapter_inputs(project, "demo") == []
+    text = source.read_text()
+    assert text.startswith("---\n")
+    source.write_text("---\ncompanion:\n  inputs:\n    - results/*.json\n" + text[4:])
+    params = {"scale": "smoke"}
+    before = cache_key(project, "demo", params)
+    (project.root / "results").mkdir()
+    (project.root / "results" / "bench.json").write_text('{"x": 1}')
+    assert chapter_inputs(project, "demo") == [project.root / "results" / "bench.json"]
+    added = cache_key(project, "demo", params)
+    (project.root / "results" / "bench.json").write_text('{"x": 2}')
+    changed = cache_key(project, "demo", params)
+    assert len({before, added, changed}) == 3
+    source.write_text("---\ncompanion:\n  inputs: results/x.json\n" + text[4:])
+    with pytest.raises(ChapterError, match="companion.inputs"):
+        chapter_inputs(project, "demo")

@@ -433,10 +433,35 @@ def installed_versions() -> list[str]:
     )
 
 
+def chapter_inputs(project: Project, name: str) -> list[Path]:
+    """The files a chapter reads besides the library, from its front matter.
+
+    A chapter lists them (paths or globs, relative to the project root) under
+    ``companion: inputs:`` in the YAML front matter of ``chapters/<name>.md``; e.g. the
+    SBM chapter reads the benchmark results it draws. They enter the cache key, so a new
+    ``make bench`` re-executes the chapter. Files that do not exist are simply absent.
+    """
+    import yaml
+
+    text = project.source(name).read_text()
+    if not text.startswith("---"):
+        return []
+    end = text.find("\n---", 3)
+    meta = yaml.safe_load(text[3:end]) if end > 0 else None
+    patterns = ((meta or {}).get("companion") or {}).get("inputs") or []
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+        raise ChapterError(f"{name}: front matter companion.inputs must be a list of paths")
+    return sorted({path for pattern in patterns for path in project.root.glob(pattern)
+                   if path.is_file()})
+
+
 def cache_key(project: Project, name: str, params: dict[str, Any], nproc: int = 1) -> str:
     """Hash of everything a chapter's outputs depend on (``nproc``: its processes)."""
     h = hashlib.sha256()
     h.update(project.source(name).read_bytes())
+    for path in chapter_inputs(project, name):
+        h.update(str(path.relative_to(project.root)).encode())
+        h.update(path.read_bytes())
     for path in sorted((project.lib_dir).rglob("*.py")):
         h.update(str(path.relative_to(project.lib_dir)).encode())
         h.update(path.read_bytes())
