@@ -50,6 +50,7 @@ import argparse
 import importlib.util
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -190,7 +191,10 @@ def load_encoder(
         The checkpoint is not a BERT-family encoder, or ``dtype`` is not a floating
         torch.dtype.
     """
-    from transformers import AutoModel, AutoTokenizer
+    with warnings.catch_warnings():  # tqdm's "IProgress not found" in a plain notebook
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype: expected a floating torch.dtype such as torch.float32, "
@@ -211,6 +215,8 @@ def load_encoder(
             f"name_or_path: expected None, a model name or a path, got "
             f"{type(name_or_path).__name__}"
         )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on a chapter page
     try:
         model = AutoModel.from_pretrained(
             source, attn_implementation="eager", local_files_only=True, dtype=dtype
@@ -221,6 +227,9 @@ def load_encoder(
             f"name_or_path: no local model {str(name_or_path)!r} (not a directory, not in "
             f"the Hugging Face cache). {_how_to_get_a_model()}"
         ) from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     encoder_layers(model)  # raises TypeError for non-BERT-family models
     model.eval().to(dev)
     return model, tokenizer
