@@ -992,6 +992,38 @@ def test_two_gloo_processes_equal_one(tiny_model_dir, tmp_path):
             assert torch.equal(two[name], value), name
 
 
+def test_nproc_two_under_torchrun_equals_one_process(tiny_model_dir):
+    """analyse_corpus(nproc=2) from a single process (as a notebook calls it): torchrun
+    with 2 gloo ranks; sums equal one process, and the per-window parts come back in
+    window order, so a bootstrap over windows is the single-process one."""
+    model, tok = load_encoder(str(tiny_model_dir), device="cpu", dtype=torch.float64)
+    wins = _small_windows(tok, length=16)
+    tracked = torch.zeros(2, 4, dtype=torch.long) + tok.convert_tokens_to_ids(".")
+    opts = dict(tokenizer=tok, batch_size=2, percentile=10.0, progress=False,
+                per_window=True, track_tokens=tracked)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = analyse_corpus(model, wins, nproc=1, **opts)
+    finally:
+        torch.set_num_threads(threads)
+    two = analyse_corpus(model, wins, nproc=2, **opts)
+    assert int(two.n_windows) == int(one.n_windows) == len(wins) >= 5
+    for name, value in one.tensors().items():
+        other = getattr(two, name)
+        if value.is_floating_point():
+            torch.testing.assert_close(other, value, atol=1e-9, rtol=1e-9, msg=name)
+        else:
+            assert torch.equal(other, value), name
+    w1, w2 = one.window_sums(), two.window_sums()
+    assert set(w1) == set(w2)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-9, rtol=1e-9, msg=name)
+    b1, b2 = one.window_bootstrap(reps=20, seed=3), two.window_bootstrap(reps=20, seed=3)
+    for name in b1:
+        torch.testing.assert_close(b2[name], b1[name], atol=1e-9, rtol=1e-9, msg=name)
+
+
 # ------------------------------------------------------------------ loading and bad input
 
 

@@ -58,7 +58,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from companion._validate import check_bool
+from companion._validate import check_bool, check_int
 from companion.devices import resolve_device
 
 __all__ = [
@@ -1258,12 +1258,18 @@ class SimilarityStats:
         import torch.distributed as dist
 
         backend = dist.get_backend(group)
-        if self._windows:  # per-window parts: gathered in rank order (object collective)
-            mine = {name: torch.cat(parts).cpu() for name, parts in self._windows.items()}
+        if self._windows:
+            # Per-window parts, one per batch: rank r holds batches r, r + W, r + 2W, ...
+            # (analyse_corpus), so interleaving the ranks' lists restores the windows'
+            # order, and a bootstrap over windows is the single-process one.
+            mine = {name: [t.cpu() for t in parts] for name, parts in self._windows.items()}
             gathered = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, mine, group=group)
-            self._windows = {name: [torch.cat([g[name] for g in gathered]).to(self.device)]
-                             for name in mine}
+            longest = max(len(parts) for g in gathered for parts in g.values())
+            self._windows = {
+                name: [torch.cat([g[name][j] for j in range(longest) for g in gathered
+                                  if j < len(g[name])]).to(self.device)]
+                for name in mine}
         for t in self.tensors().values():
             if backend == "nccl" and t.device.type != "cuda":
                 buf = t.to(torch.device("cuda", torch.cuda.current_device()))
@@ -1658,6 +1664,7 @@ def analyse_corpus(
     group=None,
     per_window: bool = False,
     track_tokens: torch.Tensor | None = None,
+    nproc: int | None = None,
 ) -> SimilarityStats:
     """Context-similarity statistics of a model over a set of windows.
 
@@ -1686,6 +1693,11 @@ def analyse_corpus(
         see :class:`SimilarityStats`). Under torchrun the windows come back grouped by rank.
     track_tokens : optional [L, H] token ids to count per window (needs ``per_window``;
         see :meth:`SimilarityStats.track_tokens`).
+    nproc : run the pass under ``torchrun`` with this many processes from here (a
+        notebook, one process): :func:`companion.parallel.torchrun_call` starts them, each
+        takes every ``nproc``-th batch, and the all-reduced statistics come back, per-window
+        parts in window order. Default: the book's ``--nproc`` (``COMPANION_NPROC``, 1).
+        Ignored inside an initialised process group (the ranks are already there).
 
     Returns
     -------
@@ -1713,6 +1725,22 @@ def analyse_corpus(
             raise ValueError("tokenizer: needed to find the separator tokens (or pass separators=)")
         separators = separator_ids(tokenizer)
     _check_model(model, windows.length)
+    import torch.distributed as dist
+
+    from companion.parallel import requested_nproc, torchrun_call
+
+    nproc = requested_nproc() if nproc is None else check_int("nproc", nproc, minimum=1)
+    if nproc > 1 and distributed is not False and not (dist.is_available()
+                                                         and dist.is_initialized()):
+        kind = next(model.parameters()).device.type
+        stats = torchrun_call("companion.context_similarity:analyse_corpus", dict(
+            model=model, windows=windows, separators=separators, where=where,
+            batch_size=batch_size, percentile=percentile,
+            attention_threshold=attention_threshold, device=device, progress=progress,
+            per_window=per_window, track_tokens=track_tokens, nproc=1),
+            nproc=nproc, device="cuda" if kind == "cuda" else "cpu")
+        return stats.to(resolve_device(device) if device is not None
+                        else next(model.parameters()).device)
     model_device = next(model.parameters()).device
     dev = model_device if device is None else resolve_device(device)
     n_layers, n_heads, _ = _heads(model)
@@ -1747,6 +1775,7 @@ def analyse_corpus(
         bar.close()
     if is_dist:
         stats.all_reduce(group)
+        stats._workspace = {}  # buffers, not statistics: not sent back from a rank
     return stats
 
 
