@@ -74,6 +74,9 @@ def test_run_success_cache_and_force(demo_project):
     assert "sha256" not in outputs, "a save_figure ending a cell must not print its sidecar"
     record = json.loads(p.run_record("demo").read_text())
     assert record["status"] == "ok" and record["parameters"]["scale"] == "smoke"
+    # the kernel's peak resident memory: a Python kernel with torch is tens of MiB at least
+    assert 0.02 < record["peak_memory_gib"] < 64
+    assert "peak memory" in "".join(box[0]["source"])
     assert not (p.generated / ".staging").exists()
 
     png = (p.assets("demo") / "figures" / "demo-random-walk.png").read_bytes()

@@ -583,8 +583,10 @@ def run_box(record: dict[str, Any]) -> str:
             ("Device", f"`{record['device']}`")]
     if record.get("nproc", 1) != 1:
         rows.append(("Processes", f"{record['nproc']} (torchrun)"))
+    peak = record.get("peak_memory_gib")
     rows += [("Commit", _commit_text(record) + dirty),
-             ("Executed", f"{record['finished']} in {record['seconds']:.1f} s")]
+             ("Executed", f"{record['finished']} in {record['seconds']:.1f} s"
+              + (f", peak memory {peak:.2f} GiB" if peak else ""))]
     table = "| Setting | Value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     explore = (f"python -m companion run {record['chapter']} --scale "
                f"{record['parameters']['scale']} --out DIR -p NAME VALUE")
@@ -819,6 +821,26 @@ class _KernelTracker:
         self._lock = threading.Lock()
         self._pids: list[int] = []
         self.stopped = threading.Event()
+        self.peak_bytes = 0  # largest resident memory seen: the kernel and its children
+
+    def sample_memory(self) -> None:
+        """Update :attr:`peak_bytes`: the kernel's own peak (``VmHWM``, exact) or the sum of
+        the resident memory of the kernel and its children (``torchrun`` ranks, sampled)."""
+        import psutil
+
+        with self._lock:
+            pids = list(self._pids)
+        for pid in pids:
+            with contextlib.suppress(psutil.Error, OSError, ValueError):
+                kernel = psutil.Process(pid)
+                total = kernel.memory_info().rss + sum(
+                    c.memory_info().rss for c in kernel.children(recursive=True))
+                hwm = 0
+                with open(f"/proc/{pid}/status") as fh:
+                    for line in fh:
+                        if line.startswith("VmHWM:"):
+                            hwm = int(line.split()[1]) * 1024
+                self.peak_bytes = max(self.peak_bytes, total, hwm)
 
     def manager_class(self):
         """An AsyncKernelManager class that reports its kernel here (or refuses to start)."""
@@ -863,6 +885,7 @@ class _Execution:
 
     error: BaseException | None = None
     cell_index: int | None = None  # the cell being executed when it stopped
+    peak_bytes: int = 0  # the kernel's (and its children's) largest resident memory
 
 
 @dataclass
@@ -932,6 +955,8 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
         next_report = time.monotonic() + period
         while worker.is_alive():
             worker.join(timeout=min(0.5, period))
+            tracker.sample_memory()
+            outcome.peak_bytes = tracker.peak_bytes
             if progress is not None and echo is not None and worker.is_alive() and (
                     time.monotonic() >= next_report):
                 echo(progress_line(progress))
@@ -1229,7 +1254,8 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
                                         timeout, progress, echo, pidx)
         error = _execution_error(outcome, pidx, timeout)
         input_nb.unlink()
-        record.update(seconds=time.time() - started, finished=prov.now_iso())
+        record.update(seconds=time.time() - started, finished=prov.now_iso(),
+                      peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()
         html = None
         if error is None:
@@ -1368,7 +1394,8 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
         if error is None:
             executed = read_notebook_ipynb(output_nb)
             record["device"] = _detected_device(params["device"])
-        record.update(seconds=time.time() - started, finished=prov.now_iso())
+        record.update(seconds=time.time() - started, finished=prov.now_iso(),
+                      peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()  # the last moment an interrupt leaves everything as it was
         with signals_deferred():
             if error is None:
@@ -1391,7 +1418,9 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
             with contextlib.suppress(OSError):
                 (gen / ".staging").rmdir()
     if record["status"] == "ok":
-        echo(f"[ok {record['seconds']:.1f}s] {name}")
+        peak = record.get("peak_memory_gib")
+        echo(f"[ok {record['seconds']:.1f}s" + (f", peak {peak:.2f} GiB" if peak else "")
+             + f"] {name}")
         return RunResult(name, "ok", record["seconds"], record=record)
     echo(f"[FAILED {record['seconds']:.1f}s] {name}: {record['error']} "
          f"(log: {project.log(name)})")
