@@ -27,6 +27,7 @@ repository root (git-ignored).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -43,7 +44,15 @@ from pathlib import Path
 import torch
 
 from companion._validate import check_bool, check_int, describe
-from companion.provenance import sha256_file
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks (an installed archive's checksum)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 __all__ = [
     "CORPORA",
