@@ -499,13 +499,13 @@ def test_edge_attention_keeps_a_few_numbers_per_edge_for_backward():
 
 
 def test_stable_argsort_matches_torch_sort():
-    from companion.edge_attention import _stable_argsort
+    from companion.edge_attention import stable_argsort
 
     g = torch.Generator().manual_seed(25)
     for bound in (7, 1 << 16, 1 << 40):
         keys = torch.randint(0, bound, (5000,), generator=g)
         keys[::3] = keys[0]  # ties: stability matters
-        torch.testing.assert_close(_stable_argsort(keys, bound), torch.sort(keys, stable=True)[1])
+        torch.testing.assert_close(stable_argsort(keys, bound), torch.sort(keys, stable=True)[1])
 
 
 def test_edge_attention_bad_input():

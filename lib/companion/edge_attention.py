@@ -39,10 +39,11 @@ import warnings
 
 import torch
 
-__all__ = ["edge_attention", "dense_masked_attention"]
+__all__ = ["edge_attention", "dense_masked_attention", "EdgeGraph", "attention_on_graph",
+           "stable_argsort"]
 
 
-def _stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
+def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
     """Stable argsort of nonnegative integer ``keys < bound`` (int32 or int64).
 
     On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
@@ -95,7 +96,7 @@ class EdgeGraph:
         self.index_dtype = torch.int32 if fits else torch.int64
         self.order = None
         if self.num_edges > 1 and not bool((row[1:] >= row[:-1]).all()):
-            self.order = _stable_argsort(row, self.num_rows)
+            self.order = stable_argsort(row, self.num_rows)
             row = row[self.order]
             self.col = torch.add(key, group, alpha=m)[self.order].to(self.index_dtype)
         else:
@@ -133,7 +134,7 @@ class EdgeGraph:
         """The transposed ``[G m, G n]`` CSR matrix with ``values`` (given row-major)."""
         if self._transpose is None:
             device, idx = self.col.device, self.index_dtype
-            perm = _stable_argsort(self.col, self.num_cols).to(idx)
+            perm = stable_argsort(self.col, self.num_cols).to(idx)
             counts_t = torch.bincount(self.col, minlength=self.num_cols)
             crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=device)
             torch.cumsum(counts_t, 0, out=crow_t[1:])
@@ -228,9 +229,13 @@ class _EdgeAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_w, None, None
 
 
-def _edge_attention_on_graph(q2, k2, v2, graph, edge_weight, scale):
-    """Edge attention on flat ``[G n, d]``, ``[G m, d]``, ``[G m, d_v]`` rows, with
-    ``edge_weight`` already in the graph's row-major order."""
+def attention_on_graph(q2, k2, v2, graph, edge_weight, scale):
+    """Edge attention on flat ``[G n, d]``, ``[G m, d]``, ``[G m, d_v]`` rows over an
+    :class:`EdgeGraph` already built, with ``edge_weight`` in the graph's row-major order.
+
+    The building block :func:`edge_attention` wraps and :class:`companion.sbm.SBMAttention`
+    calls with the graph it sampled (no arguments are checked here: the callers do).
+    """
     return _EdgeAttention.apply(q2, k2, v2, edge_weight, graph, scale)
 
 
@@ -367,7 +372,7 @@ def edge_attention(
     graph = EdgeGraph(group, query, key, num_groups, n, m)
     if edge_weight is not None and graph.order is not None:
         edge_weight = edge_weight[graph.order]
-    out = _edge_attention_on_graph(
+    out = attention_on_graph(
         q.reshape(num_groups * n, d),
         k.reshape(num_groups * m, d),
         v.reshape(num_groups * m, v.shape[-1]),

@@ -37,8 +37,8 @@ from torch import nn
 
 from companion.edge_attention import (
     EdgeGraph,
-    _edge_attention_on_graph,
-    _stable_argsort,
+    attention_on_graph,
+    stable_argsort,
     dense_masked_attention,
     edge_attention,
 )
@@ -411,7 +411,7 @@ def fastrg_sample(
             group, query, key = _append_self_loops(group, query, key, num_groups, n)
         if duplicates == "merge" and group.numel() > 1:
             code = (group * n + query) * m + key
-            code = code[_stable_argsort(code, num_groups * n * m)]
+            code = code[stable_argsort(code, num_groups * n * m)]
             code = torch.unique_consecutive(code)
             key = code % m
             code = torch.div(code, m, rounding_mode="floor")
@@ -465,7 +465,7 @@ def _append_self_loops(group, query, key, num_groups, n):
     device = group.device
     loops = torch.arange(num_groups * n, device=device)
     row = torch.cat([group * n + query, loops])
-    order = _stable_argsort(row, num_groups * n)
+    order = stable_argsort(row, num_groups * n)
     group = torch.cat([group, torch.div(loops, n, rounding_mode="floor")])[order]
     query = torch.cat([query, loops % n])[order]
     key = torch.cat([key, loops % n])[order]
@@ -730,7 +730,7 @@ class SBMAttention(nn.Module):
         )
         if v.shape[:3] != (batch, heads, m):
             raise ValueError(f"v: expected [{batch}, {heads}, {m}, d_v], got {tuple(v.shape)}")
-        out = _edge_attention_on_graph(
+        out = attention_on_graph(
             q.reshape(num_groups * n, -1),
             k.reshape(num_groups * m, -1),
             v.reshape(num_groups * m, -1),
