@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from companion import masks as M
-from companion.reachability import order_structure
+from companion.reachability import mask_graph, order_structure
 from results_io import write_results
 
 
@@ -50,11 +50,8 @@ def run_networkx(kind: str, n: int):
     import networkx as nx
 
     mask = make_mask(kind, n)
-    q, k = torch.nonzero(mask, as_tuple=True)
     start = time.perf_counter()
-    g = nx.DiGraph()
-    g.add_nodes_from(range(n))
-    g.add_edges_from(zip(k.tolist(), q.tolist()))
+    g = mask_graph(mask)
     closure = nx.transitive_closure(g, reflexive=True)
     cond = nx.condensation(g)
     hasse = nx.transitive_reduction(cond)
