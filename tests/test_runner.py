@@ -1,6 +1,7 @@
 """Runner: parameters, success, cache, failure with stale marking, interrupt, pages."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -227,6 +228,20 @@ def interrupt_project(tmp_path_factory):
     return p
 
 
+@contextlib.contextmanager
+def _hanging_defaults(p, marker):
+    """The demo chapter's defaults changed to write ``marker`` and then sleep 600 s (for
+    ``build``, which takes no chapter parameters); the source is restored afterwards."""
+    src = p.source("demo")
+    original = src.read_text()
+    src.write_text(original.replace('marker = ""', f'marker = "{marker}"')
+                   .replace("sleep_seconds = 0.0", "sleep_seconds = 600.0"))
+    try:
+        yield
+    finally:
+        src.write_text(original)
+
+
 def _assert_unchanged(p, before: dict[str, bytes], proc) -> None:
     after = _published(p)
     assert sorted(after) == sorted(before), "no published file added or removed"
@@ -358,12 +373,7 @@ def test_interrupt_of_build_stops_its_runs(interrupt_project, tmp_path):
     p = interrupt_project
     before = _published(p)
     marker = tmp_path / "marker"
-    src = p.source("demo")
-    original = src.read_text()
-    # build takes no chapter parameters: give the copy's defaults a marker and a long sleep.
-    src.write_text(original.replace('marker = ""', f'marker = "{marker}"')
-                   .replace("sleep_seconds = 0.0", "sleep_seconds = 600.0"))
-    try:
+    with _hanging_defaults(p, marker):
         proc = subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
                                  str(p.root), "--scale", "smoke"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -371,8 +381,6 @@ def test_interrupt_of_build_stops_its_runs(interrupt_project, tmp_path):
         pids = json.loads(marker.read_text())
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=SAFETY_DEADLINE)
-    finally:
-        src.write_text(original)
     assert proc.returncode == 130, f"{out}\n{err}"
     assert _pid_gone(pids["runner"]), "build waited for its child run to end"
     _wait_for(lambda: _pid_gone(pids["kernel"]), "the child run's kernel ended")
@@ -733,11 +741,7 @@ def test_build_relays_each_runs_log_path_and_progress(interrupt_project, tmp_pat
     p = interrupt_project
     before = _published(p)
     marker = tmp_path / "marker"
-    src = p.source("demo")
-    original = src.read_text()
-    src.write_text(original.replace('marker = ""', f'marker = "{marker}"')
-                   .replace("sleep_seconds = 0.0", "sleep_seconds = 600.0"))
-    try:
+    with _hanging_defaults(p, marker):
         proc = subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
                                  str(p.root), "--scale", "demo=smoke"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -747,8 +751,6 @@ def test_build_relays_each_runs_log_path_and_progress(interrupt_project, tmp_pat
         _wait_for(marker.exists, "the build's run executed the compute cell", proc)
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=SAFETY_DEADLINE)
-    finally:
-        src.write_text(original)
     assert proc.returncode == 130, seen
     _assert_unchanged(p, before, proc)
 
