@@ -51,7 +51,7 @@ book: setup
 	@$(MAKE) --no-print-directory check-html
 
 # The book a reader sees online: each chapter at the largest scale it reaches on a CPU
-# (lib/companion/runner.py, PUBLISH_SCALES: paper for hasse, gradient_flow and
+# (lib/companion/book/runner.py, PUBLISH_SCALES: paper for hasse, gradient_flow and
 # context_similarity, ci for sbm_transformer). `make publish NPROC=4` runs the chapters'
 # scale-out (corpus pass, LRA training) with 4 processes.
 publish: setup
@@ -95,7 +95,7 @@ pdf: setup latex
 	  "book/_build/latex/book.pdf (log: book/_build/latex/book.log)" >&2; exit 1; }
 	@if [ -f book/_build/html/index.html ]; then \
 	  echo "pdf: rebuilding the HTML book: its intro links the PDF, which it carries"; \
-	  $(PY) -c "from companion.runner import Project, build_html; build_html(Project('.'))" \
+	  $(PY) -c "from companion.book.runner import Project, build_html; build_html(Project('.'))" \
 	  && test -s book/_build/html/$(PDF_NAME); fi
 	@echo "pdf: book/_build/latex/book.pdf"
 

@@ -1,6 +1,6 @@
 """Benchmark: limit reachability R, depth L* and Hasse diagram of attention masks.
 
-Ours: ``companion.reachability.order_structure`` (bit-packed closure + transitive
+Ours: ``companion.hasse.reachability.order_structure`` (bit-packed closure + transitive
 reduction in one topological sweep, lockstep bit-parallel BFS for the depth).
 Baselines, measured in the same run on the same masks:
 
@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from companion import masks as M
-from companion.reachability import mask_graph, order_structure
+from companion.hasse import masks as M
+from companion.hasse.reachability import mask_graph, order_structure
 from results_io import write_results
 
 

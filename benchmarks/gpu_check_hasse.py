@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from companion import masks as M
-from companion.masked_transformer import flex_vs_sdpa
-from companion.reachability import reachability_limit
+from companion.hasse import masks as M
+from companion.hasse.masked_transformer import flex_vs_sdpa
+from companion.hasse.reachability import reachability_limit
 
 
 def flex_cases(size: int):

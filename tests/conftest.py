@@ -57,7 +57,7 @@ def one_torch_thread():
 
 @pytest.fixture
 def demo_project(tmp_path):
-    from companion.runner import Project
+    from companion.book.runner import Project
 
     root = make_project(tmp_path / "book-project", {"demo": FIXTURE_CHAPTERS / "demo.md"})
     return Project(root)

@@ -9,7 +9,7 @@ numpy or the standard library: a bare ``IndexError``/``RuntimeError`` from an op
 
 Groups (the ``group`` field): dtype, shape, device, nan, negative, empty, unknown name,
 type, missing path, corrupt record. ``CLI_ROWS`` feed ``python -m companion`` (in-process
-through ``companion.cli.main``) and expect exit code 2 and a message on stderr.
+through ``companion.book.cli.main``) and expect exit code 2 and a message on stderr.
 Calls that write files (provenance.save_figure / save_table / claim) are checked to
 leave nothing behind. Damaged records (a truncated corpus file, claim/figure sidecars, a
 run record) name the file and how to regenerate it, or, for the run record, count as no
@@ -28,13 +28,14 @@ import pytest
 import torch
 
 import companion
-from companion import corpora, devices, edge_attention as EA, gradient_flow as gf
-from companion import masked_transformer as MT
-from companion import masks as M
-from companion import reachability as RR
-from companion import provenance as prov
+from companion import corpora, devices, gradient_flow as gf
+from companion.sbm import graph_attention as EA
+from companion.hasse import masked_transformer as MT
+from companion.hasse import masks as M
+from companion.hasse import reachability as RR
+from companion.book import provenance as prov
 from companion import sbm
-from companion import task_merge as T
+from companion.hasse import task_merge as T
 from companion._validate import check_choice, check_int, check_number, check_tensor
 from companion.lra import listops, loaders, pathfinder
 
@@ -729,7 +730,8 @@ def test_damaged_sidecar_names_file_and_fix(demo_project, capsys, folder, what, 
     neither skipped (the report would under-count with no sign) nor a crash: a
     ValueError names the file and the command that regenerates it, and
     ``python -m companion pages`` reports it (exit 2, no traceback, old pages kept)."""
-    from companion import cli, pages
+    from companion.book import cli
+    from companion.book import pages
 
     path = demo_project.assets("demo") / folder / "demo-bad.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -756,7 +758,7 @@ def test_damaged_sidecar_names_file_and_fix(demo_project, capsys, folder, what, 
 def test_truncated_run_record_counts_as_no_record(demo_project):
     """runs/<name>.json cut short is a cache miss: the runner re-runs the chapter rather
     than trusting (or crashing on) the record."""
-    from companion import runner
+    from companion.book import runner
 
     path = demo_project.run_record("demo")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -771,7 +773,7 @@ def test_truncated_run_record_counts_as_no_record(demo_project):
 # ------------------------------------------------------------------ writers leave nothing
 @pytest.fixture
 def chapter_dir(tmp_path, monkeypatch):
-    from companion import provenance as prov
+    from companion.book import provenance as prov
 
     out = tmp_path / "assets"
     monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(out))
@@ -857,7 +859,7 @@ WRITER_ROWS = [
 @pytest.mark.parametrize("name, call, exc, match", WRITER_ROWS,
                          ids=[r[0] for r in WRITER_ROWS])
 def test_writers_reject_bad_input_and_write_nothing(chapter_dir, name, call, exc, match):
-    from companion import provenance as prov
+    from companion.book import provenance as prov
 
     with pytest.raises(exc, match=match) as excinfo:
         call(prov)
@@ -891,7 +893,7 @@ CLI_ROWS = [
 
 @pytest.mark.parametrize("name, argv, match", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
 def test_cli_rejects_bad_arguments_with_exit_2(demo_project, capsys, name, argv, match):
-    from companion import cli
+    from companion.book import cli
 
     if "cuda" in argv and CUDA:
         pytest.skip("this machine has CUDA, so asking for it is not a bad input here")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from companion import runner
-from companion.htmlcheck import check_book
+from companion.book import runner
+from companion.book.htmlcheck import check_book
 from conftest import REPO, make_project, mathjax_available, require_browser
 
 CHAPTERS = sorted(p.stem for p in (REPO / "chapters").glob("*.md"))

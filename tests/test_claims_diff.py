@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from companion.claims_diff import compare, load_claims, main, markdown
+from companion.book.claims_diff import compare, load_claims, main, markdown
 
 
 def _write(root, chapter, record):

@@ -17,7 +17,7 @@ import socket
 import pytest
 import torch
 
-from companion import context_similarity as cs
+from companion.context_similarity import core as cs
 from companion.context_similarity import (
     BatchResult,
     ModelNotFoundError,
@@ -1046,7 +1046,7 @@ def test_the_chapter_model_parameter_selects_a_local_checkpoint_folder(tiny_mode
     The chapter's parameters cell is read as the runner reads it; the override is the
     string a shell passes; the chapter calls ``cs.load_encoder(model, ...)`` with it.
     """
-    from companion import runner
+    from companion.book import runner
 
     nb = runner.read_notebook(REPO / "chapters" / "context_similarity.md")
     defaults = runner.parse_parameters(nb.cells[runner.parameters_cell_index(nb)].source)

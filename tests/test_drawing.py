@@ -1,4 +1,4 @@
-"""Drawing helpers of companion.reachability: what they draw against independent references
+"""Drawing helpers of companion.hasse.reachability: what they draw against independent references
 (breadth-first search, networkx longest paths, matplotlib's own text extents), and that
 circles fit their labels and nothing overlaps or is clipped."""
 from collections import deque
@@ -12,8 +12,8 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from companion import masks as M  # noqa: E402
-from companion import reachability as RR  # noqa: E402
+from companion.hasse import masks as M  # noqa: E402
+from companion.hasse import reachability as RR  # noqa: E402
 
 
 def _first_layer_bfs(mask):

@@ -1,4 +1,4 @@
-"""Tests of companion.edge_attention in float32 and float64 against independent
+"""Tests of companion.sbm.graph_attention in float32 and float64 against independent
 references: a dense float64 masked softmax with edge counts as multiplicities (written
 here, not the library's dense_masked_attention), torch SDPA with a boolean mask, and
 torch.autograd.gradcheck.
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from companion.edge_attention import edge_attention
+from companion.sbm.graph_attention import edge_attention
 
 DEVICES = [
     "cpu",
@@ -235,7 +235,7 @@ def test_edge_attention_bad_scale_weights_and_meta_tensors():
             edge_attention(q, k, v, e, **kwargs)
     with pytest.raises(ValueError, match=r"^q: expected a tensor with values, got one on the meta"):
         edge_attention(q.to("meta"), k.to("meta"), v.to("meta"), tuple(t.to("meta") for t in e))
-    from companion.edge_attention import dense_masked_attention
+    from companion.sbm.graph_attention import dense_masked_attention
 
     with pytest.raises(ValueError, match=r"^q: expected \[\.\.\., length, dim\], got shape \(2,\)"):
         dense_masked_attention(torch.ones(2), k, v, torch.ones(4, 5, dtype=torch.bool))

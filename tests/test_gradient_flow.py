@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from companion import gradient_flow as gf
+from companion.gradient_flow import core as gf
 
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from companion import masks as M
-from companion import masked_transformer as MT
-from companion import reachability as RR
-from companion import task_merge as T
+from companion.hasse import masks as M
+from companion.hasse import masked_transformer as MT
+from companion.hasse import reachability as RR
+from companion.hasse import task_merge as T
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def _mask_with_empty_rows():
 
 # What SDPA gives on a row with no allowed key, per backend, with torch 2.13 on the CPU.
 # A new torch that changes a line of this table fails the test below: then update the
-# module docstring of companion.masked_transformer and the Hasse chapter's FlexAttention
+# module docstring of companion.hasse.masked_transformer and the Hasse chapter's FlexAttention
 # section, which state this behaviour.
 SDPA_CPU_EMPTY_ROWS = {
     "default": "zero",

@@ -9,8 +9,8 @@ import importlib.util
 
 import pytest
 
-from companion import provenance
-from companion.htmlcheck import (cite_line_problems, cite_lines, is_chapter_page, local_paths,
+from companion.book import provenance
+from companion.book.htmlcheck import (cite_line_problems, cite_lines, is_chapter_page, local_paths,
                                  numbered_items, page_problems, parameters_cell_problems,
                                  sideways_problem)
 from conftest import REPO
@@ -169,7 +169,7 @@ def test_book_assets_copies_item_files_to_the_same_place_in_the_build(tmp_path):
 
 
 def test_broken_links_are_relative_links_without_a_file_in_the_build(tmp_path):
-    from companion.htmlcheck import broken_links
+    from companion.book.htmlcheck import broken_links
 
     page = "book/_generated/figure_index.html"
     (tmp_path / "book" / "_generated" / "assets").mkdir(parents=True)

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from companion import masks as M
+from companion.hasse import masks as M
 
 
 def _from_predicate(n, pred):

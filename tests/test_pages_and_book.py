@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from companion import pages, provenance, runner, site
-from companion.htmlcheck import check_book
+from companion.book import pages
+from companion.book import provenance
+from companion.book import runner
+from companion.book import site
+from companion.book.htmlcheck import check_book
 from conftest import REPO, mathjax_available, require_browser
 
 
@@ -153,7 +156,7 @@ def test_report_leads_with_differs_and_inconclusive_and_tables_checks_apart(demo
     ("<nav>$x$ in the sidebar</nav><article><p>clean</p></article>", None),
 ])
 def test_raw_latex_detector_on_snippets(snippet, found):
-    from companion.htmlcheck import raw_latex_in_html
+    from companion.book.htmlcheck import raw_latex_in_html
 
     hits = raw_latex_in_html(f"<html><body>{snippet}</body></html>")
     if found is None:
@@ -224,7 +227,7 @@ def test_bibtex_entry_rejects_what_is_not_a_sidecar():
 
 
 def test_cite_line_links_every_file_and_folds_the_entry():
-    from companion.htmlcheck import cite_line_problems, cite_lines
+    from companion.book.htmlcheck import cite_line_problems, cite_lines
 
     entry = provenance.bibtex_entry(SIDECAR, {}, "")
     line = provenance.cite_line(SIDECAR, "../assets/demo/figures", entry)
@@ -333,7 +336,7 @@ def test_check_html_without_a_browser_is_skipped_with_exit_0(demo_project, tmp_p
 
 
 def test_check_html_report_exit_codes():
-    from companion.htmlcheck import PageResult, Report
+    from companion.book.htmlcheck import PageResult, Report
 
     assert Report([PageResult("a.html")]).exit_code == 0
     assert Report([], skipped="no browser").exit_code == 0
@@ -392,7 +395,7 @@ GLUED = ("```{prf:definition} D\n:label: d\n\nThe formula\n$$\nz = \\sqrt{x}\n$$
 def test_glued_display_maths_is_found_in_a_source():
     """The static twin of the browser check: the pattern that broke Definitions 2.1, 3.1
     and 3.2 (a $$ line right after text does not start a display block) is caught."""
-    from companion.htmlcheck import raw_latex_in_html
+    from companion.book.htmlcheck import raw_latex_in_html
 
     assert raw_latex_in_html(_render_myst(GLUED))
     fixed = GLUED.replace("The formula\n$$", "The formula\n\n$$").replace("$$\nthe", "$$\n\nthe")
@@ -405,6 +408,6 @@ def test_glued_display_maths_is_found_in_a_source():
 def test_chapter_maths_parses(source):
     """No chapter's prose (definitions included) leaves LaTeX unparsed; runs without a
     browser or a build."""
-    from companion.htmlcheck import raw_latex_in_html
+    from companion.book.htmlcheck import raw_latex_in_html
 
     assert raw_latex_in_html(_render_myst(source.read_text())) == []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from companion import runner
+from companion.book import runner
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTER = "hasse"  # the cheapest real chapter at smoke scale

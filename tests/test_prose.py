@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from companion import prose
+from companion.book import prose
 
 
 @pytest.mark.parametrize("a, b, word", [(0.37, 0.342, "above"), (0.29, 0.291, "below"),

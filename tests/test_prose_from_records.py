@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from companion import prose, runner
+from companion.book import prose
+from companion.book import runner
 
 
 def _quiet(_line: str) -> None:

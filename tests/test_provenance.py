@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from companion import provenance as prov  # noqa: E402
+from companion.book import provenance as prov  # noqa: E402
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_save_table_csv_markdown_sidecar(chapter):
 def test_figure_and_table_are_shown_with_their_cite_line_and_bib_file(chapter, monkeypatch):
     """Under the item on the page: Cite (the BibTeX entry, also written to <id>.bib) and
     the item's files, linked where the runner publishes them (the asset url)."""
-    from companion.htmlcheck import cite_line_problems, cite_lines
+    from companion.book.htmlcheck import cite_line_problems, cite_lines
 
     shown = []
     monkeypatch.setattr(prov, "_display_markdown", lambda md, extra=None: shown.append(md))

@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import yaml
 
-from companion import site
+from companion.book import site
 from conftest import REPO
 
 WORKFLOW = REPO / ".github" / "workflows" / "book.yml"
@@ -196,13 +196,13 @@ def test_set_url_command_line(tmp_path):
     root = _copy_address_files(tmp_path / "fork")
     env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
     proc = subprocess.run(
-        [sys.executable, "-m", "companion.site", "--root", str(root), "set-url",
+        [sys.executable, "-m", "companion.book.site", "--root", str(root), "set-url",
          "https://github.com/o/r"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "_config.yml html.baseurl: https://o.github.io/r/" in proc.stdout
     assert site.address_copies(root) == site.expected_copies("https://github.com/o/r")
     proc = subprocess.run(
-        [sys.executable, "-m", "companion.site", "--root", str(root), "set-url", "nope"],
+        [sys.executable, "-m", "companion.book.site", "--root", str(root), "set-url", "nope"],
         capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "url: expected a GitHub repository address" in proc.stderr
@@ -403,7 +403,7 @@ def test_the_wheel_is_attention_reproduced_and_holds_companion(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         metadata = archive.read(f"attention_reproduced-{version}.dist-info/METADATA").decode()
-    assert "companion/__init__.py" in names and "companion/site.py" in names
+    assert "companion/__init__.py" in names and "companion/book/site.py" in names
     assert not any(n.startswith("lib/") for n in names)
     assert f"Name: {site.DISTRIBUTION}\n" in metadata
     repository = site.repository_url(REPO)

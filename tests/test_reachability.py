@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from companion import masks as M
-from companion import reachability as RR
+from companion.hasse import masks as M
+from companion.hasse import reachability as RR
 
 METHODS = ["bitset", "matmul"]
 

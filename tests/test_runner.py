@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from companion import runner
-from companion.runner import ChapterError, run_chapter
+from companion.book import runner
+from companion.book.runner import ChapterError, run_chapter
 
 
 def quiet(_line: str) -> None:
@@ -100,7 +100,7 @@ def test_source_change_is_a_cache_miss(demo_project):
 
 
 def test_failure_keeps_previous_outputs_marked_stale(demo_project):
-    from companion.pages import figure_index
+    from companion.book.pages import figure_index
 
     p = demo_project
     assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
@@ -326,7 +326,7 @@ def test_interrupt_swallowed_during_torch_import_is_not_lost(interrupt_project):
 def test_nested_guard_raises_a_signal_recorded_before_it():
     """Inside `python -m companion` the handlers are installed before any import; a signal
     recorded then (even if its exception was swallowed) stops the first guard at once."""
-    from companion import interrupts
+    from companion.book import interrupts
 
     previous = interrupts.install_interrupt_handlers()
     try:
@@ -780,7 +780,7 @@ def test_the_pages_re_execute_command_is_accepted(demo_project):
 def test_chapter_inputs_enter_the_cache_key(demo_project):
     """A file named under companion.inputs in the front matter changes the cache key when
     it appears or changes; a chapter without the key has no inputs."""
-    from companion.runner import ChapterError, cache_key, chapter_inputs
+    from companion.book.runner import ChapterError, cache_key, chapter_inputs
 
     project = demo_project
     source = project.source("demo")

@@ -1,4 +1,4 @@
-"""Tests of companion.sbm / companion.edge_attention against independent references:
+"""Tests of companion.sbm / companion.sbm.graph_attention against independent references:
 closed forms (E[A] = Qhat S Khat^T, the STE gradient), dense float64 softmax attention,
 torch SDPA, the dense masked formulation, and torch.autograd.gradcheck.
 
@@ -499,7 +499,7 @@ def test_edge_attention_keeps_a_few_numbers_per_edge_for_backward():
 
 
 def test_stable_argsort_matches_torch_sort():
-    from companion.edge_attention import stable_argsort
+    from companion.sbm.graph_attention import stable_argsort
 
     g = torch.Generator().manual_seed(25)
     for bound in (7, 1 << 16, 1 << 40):

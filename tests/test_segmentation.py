@@ -1,4 +1,4 @@
-"""Tests of companion.segmentation and companion.segmentation_eval against independent
+"""Tests of companion.context_similarity.segmentation and companion.context_similarity.segmentation_eval against independent
 references (model forward passes only in the last tests, on a tiny random BERT).
 
 - the fast dynamic programme against a brute force over all 2^(n-1) segmentations and
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from companion import segmentation as sg
-from companion import segmentation_eval as se
+from companion.context_similarity import segmentation as sg
+from companion.context_similarity import segmentation_eval as se
 from companion.corpora import Corpus, Document
 
 

@@ -5,9 +5,9 @@ import networkx as nx
 import pytest
 import torch
 
-from companion import masks as M
-from companion import reachability as RR
-from companion import task_merge as T
+from companion.hasse import masks as M
+from companion.hasse import reachability as RR
+from companion.hasse import task_merge as T
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 6, 12])

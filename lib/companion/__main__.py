@@ -1,15 +1,15 @@
-"""``python -m companion``: see :mod:`companion.cli`.
+"""``python -m companion``: see :mod:`companion.book.cli`.
 
 The interrupt handlers are installed before anything else is imported: a Ctrl-C that
 arrives while torch is being imported would otherwise be lost (torch's C extension clears
-a KeyboardInterrupt raised inside its NumPy import; see :mod:`companion.interrupts`).
+a KeyboardInterrupt raised inside its NumPy import; see :mod:`companion.book.interrupts`).
 The signal is recorded either way, and a run that was interrupted exits 128 + signal.
 """
-from companion.interrupts import install_interrupt_handlers, interrupted_signal
+from companion.book.interrupts import install_interrupt_handlers, interrupted_signal
 
 install_interrupt_handlers()
 try:
-    from companion.cli import main
+    from companion.book.cli import main
 except KeyboardInterrupt:
     main = None
 if main is None or interrupted_signal() is not None:

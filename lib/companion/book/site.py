@@ -9,8 +9,8 @@ BibTeX ``url`` of a figure, the commit link in a page's run box, ``CITATION.cff`
 by ``tests/test_publishing.py``.
 
 The addresses shipped are placeholders (``PLACEHOLDER_REPOSITORY``). To publish a fork
-from GitHub, run ``python -m companion.site set-url https://github.com/OWNER/REPO``: it
-rewrites every copy of the address (:func:`set_url`); ``python -m companion.site show``
+from GitHub, run ``python -m companion.book.site set-url https://github.com/OWNER/REPO``: it
+rewrites every copy of the address (:func:`set_url`); ``python -m companion.book.site show``
 prints them (:func:`address_copies`).
 
 Launch buttons (Binder, Colab) open a chapter's executed notebook on the branch
@@ -284,7 +284,7 @@ def set_url(root: Path, url: str) -> dict[str, str]:
 
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m companion.site",
+        prog="python -m companion.book.site",
         description="The book's addresses: show them, or point every copy at a repository.")
     parser.add_argument("--root", default=".", help="project root (default: .)")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -2,7 +2,7 @@
 
 Convention (used everywhere in the book): a mask is a square 2-D ``torch.bool`` tensor
 ``M`` with ``M[q, k] = True`` when query position ``q`` may attend key position ``k``.
-Residual connections are *not* part of a mask; :func:`companion.reachability.layer_adjacency`
+Residual connections are *not* part of a mask; :func:`companion.hasse.reachability.layer_adjacency`
 adds them.
 
 Each mask is defined once, as a FlexAttention ``mask_mod`` with the signature
@@ -16,8 +16,8 @@ any dense mask (a random one, say) back into a ``mask_mod`` by table look-up.
 
 The two masks derived in the Hasse chapter have closed forms here as well:
 :func:`block_two_stream_mask` and :func:`butterfly_mask`. Their layouts are the ones
-produced by :func:`companion.task_merge.block_two_stream` and
-:func:`companion.task_merge.butterfly`, which derive them from task families; the tests
+produced by :func:`companion.hasse.task_merge.block_two_stream` and
+:func:`companion.hasse.task_merge.butterfly`, which derive them from task families; the tests
 check that derivation and closed form agree.
 """
 from __future__ import annotations

@@ -70,6 +70,7 @@ import torch
 from companion._validate import check_choice, check_int, check_number, check_tensor, describe
 
 __all__ = [
+    "spectral_norms",
     "Frozen",
     "OrnsteinUhlenbeck",
     "Oscillating",
@@ -1171,7 +1172,21 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
     return torch.as_tensor(out, dtype=x.dtype).reshape(x.shape[:-2]).to(x.device)
 
 
-def _spectral_norms(weights: torch.Tensor) -> torch.Tensor:
+def spectral_norms(weights: torch.Tensor) -> torch.Tensor:
+    """The spectral norm of each (symmetric) head matrix: its largest absolute eigenvalue.
+
+    Parameters
+    ----------
+    weights : tensor [..., H, d, d]
+        Symmetric matrices (the flow's D_h(t)).
+
+    Returns
+    -------
+    tensor [..., H]
+
+    >>> spectral_norms(torch.diag(torch.tensor([1.0, -3.0]))[None])
+    tensor([3.])
+    """
     check_tensor("weights", weights, min_ndim=3, floating=True, finite=True,
                  shape_text="[..., H, d, d]")
     if weights.shape[-1] != weights.shape[-2]:
@@ -1194,7 +1209,7 @@ def lipschitz_constant(weights: torch.Tensor) -> torch.Tensor:
 
     weights ``[..., H, d, d]`` -> ``[...]``.
     """
-    lam = _spectral_norms(weights)
+    lam = spectral_norms(weights)
     return (lam * (2 + 3 * lam)).mean(-1)
 
 
@@ -1206,7 +1221,7 @@ def weight_sensitivity(weights: torch.Tensor) -> torch.Tensor:
     (``|D a - D' a'| <= |D - D'| + lambda |a - a'|`` and the softmax mean moves by at most
     ``sqrt(Var logits) <= |D - D'|``.) weights ``[..., H, d, d]`` -> ``[...]``.
     """
-    return (1 + _spectral_norms(weights)).mean(-1)
+    return (1 + spectral_norms(weights)).mean(-1)
 
 
 def gronwall_bound(times, lipschitz, initial_distance, forcing=None) -> torch.Tensor:

@@ -44,8 +44,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from companion.provenance import SCALES, repo_root
-from companion.runner import (CELL_TIMEOUT_SECONDS, DEVICE_CHOICES, ChapterError, Project,
+from companion.book.provenance import SCALES, repo_root
+from companion.book.runner import (CELL_TIMEOUT_SECONDS, DEVICE_CHOICES, ChapterError, Project,
                               RunInterrupted, interrupt_guard)
 
 
@@ -155,7 +155,7 @@ def _main(argv: list[str] | None) -> int:
     project = Project(root)
     try:
         if args.command == "run":
-            from companion.runner import run_chapter
+            from companion.book.runner import run_chapter
 
             overrides = {}
             for name, value in args.param:
@@ -168,7 +168,7 @@ def _main(argv: list[str] | None) -> int:
                                  publish_non_default=args.publish, echo=_say)
             return 0 if result.status in ("ok", "cached") else 1
         if args.command == "build":
-            from companion.runner import build
+            from companion.book.runner import build
 
             chapters = [c.strip() for c in args.chapters.split(",")] if args.chapters else None
             if args.jobs < 1:
@@ -177,19 +177,19 @@ def _main(argv: list[str] | None) -> int:
                          chapters=chapters, force=args.force, timeout=args.timeout,
                          nproc=args.nproc, echo=_say)
         if args.command == "pages":
-            from companion.pages import write_generated_pages
+            from companion.book.pages import write_generated_pages
 
             write_generated_pages(project)
             return 0
         if args.command == "check-html":
-            from companion.htmlcheck import check_book
+            from companion.book.htmlcheck import check_book
 
             build_dir = args.build_dir or project.build_dir / "html"
             report = check_book(project, build_dir)
             print(report.summary())
             return report.exit_code
         if args.command == "list":
-            from companion.runner import (PUBLISH_SCALES, parameters_cell_index,
+            from companion.book.runner import (PUBLISH_SCALES, parameters_cell_index,
                                           parse_parameters, read_notebook)
 
             for name in project.chapter_names():

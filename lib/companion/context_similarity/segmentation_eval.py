@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from companion import segmentation as sg
+from companion.context_similarity import segmentation as sg
 from companion._validate import check_int
 from companion.corpora import Corpus, Document, Windows, windows as cut_windows
 

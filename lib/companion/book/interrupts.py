@@ -7,7 +7,7 @@ C code makes, and torch clears the error (it turns a failed NumPy import into a 
 so the interrupt vanishes and a run that was stopped finishes "ok". So the handlers here
 first *record* the signal, then raise; code that must not be fooled checks the record
 (:func:`raise_if_interrupted`). ``python -m companion`` installs them before it imports
-anything heavy (see ``companion/__main__.py``), and :mod:`companion.runner` checks the
+anything heavy (see ``companion/__main__.py``), and :mod:`companion.book.runner` checks the
 record before it publishes anything.
 
 One window no process can close: a program started with SIGINT *ignored* (what a

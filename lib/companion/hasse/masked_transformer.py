@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from companion._validate import check_bool, check_device, check_int, check_tensor, describe
-from companion.masks import validate_mask
+from companion.hasse.masks import validate_mask
 
 __all__ = [
     "MaskedTransformer",
@@ -386,10 +386,10 @@ def incremental_forward(model: MaskedTransformer, x: torch.Tensor, mask: torch.T
 
 
 def _check_task(task) -> None:
-    from companion.task_merge import Task
+    from companion.hasse.task_merge import Task
 
     if not isinstance(task, Task):
-        raise TypeError(f"task: expected a companion.task_merge.Task, got {describe(task)}")
+        raise TypeError(f"task: expected a companion.hasse.task_merge.Task, got {describe(task)}")
 
 
 def _position(name: str, p) -> int:

@@ -11,7 +11,7 @@ Each attention head owns ``k`` cluster embeddings ``C`` (``[k, d]``) and shares 
 * edge probabilities ``P = Qhat S Khat^T`` (``[n, m]``, every entry in ``[0, 1]``).
 
 A bipartite graph ``A ~ P`` is sampled, attention is computed on the sampled edges only
-(:func:`companion.edge_attention.edge_attention`), and the sampling step is
+(:func:`companion.sbm.graph_attention.edge_attention`), and the sampling step is
 back-propagated with the straight-through estimator ``grad_P = hardtanh(A * grad_A)``.
 
 Sampling uses fastRG (Rohe et al., 2018): ``P`` is never formed; the number of edges is
@@ -21,8 +21,8 @@ endpoints (drawn here in query-major order, see :func:`fastrg_sample`).  Time
 GEMM, ``Qhat S``) and memory ``O(edges + (n + m) k + k^2)`` per head.
 
 Public API: :func:`sbm_parameters`, :func:`edge_probabilities`, :func:`fastrg_sample`,
-:func:`companion.edge_attention.edge_attention` (re-exported here), :class:`SBMAttention`,
-:func:`density_regularizer`, :func:`companion.edge_attention.dense_masked_attention`.
+:func:`companion.sbm.graph_attention.edge_attention` (re-exported here), :class:`SBMAttention`,
+:func:`density_regularizer`, :func:`companion.sbm.graph_attention.dense_masked_attention`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from companion.edge_attention import (
+from companion.sbm.graph_attention import (
     EdgeGraph,
     attention_on_graph,
     stable_argsort,

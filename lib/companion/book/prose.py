@@ -5,7 +5,7 @@ A chapter's summary and captions state results: numbers and comparison words ("a
 or the code changes. These helpers make the words a function of the values, and
 :func:`show` puts the sentence on the page::
 
-    from companion import prose
+    from companion.book import prose
     prose.show(f"Same-sentence pairs are {prose.compare(frac, chance)} chance "
                f"({prose.pct(frac)} vs {prose.pct(chance)}).")
 
@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from companion.provenance import _display_markdown
+from companion.book.provenance import _display_markdown
 
 __all__ = ["num", "pct", "interval", "compare", "claim_phrase", "verdict_word", "show"]
 

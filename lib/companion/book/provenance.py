@@ -66,7 +66,7 @@ def repo_root(start: Path | None = None) -> Path:
     for folder in (here, *here.parents):
         if _is_checkout(folder):
             return folder
-    package_checkout = Path(__file__).resolve().parents[2]  # lib/companion/provenance.py
+    package_checkout = Path(__file__).resolve().parents[3]  # lib/companion/book/provenance.py
     return package_checkout if _is_checkout(package_checkout) else here
 
 
@@ -101,7 +101,7 @@ def package_versions() -> dict[str, str]:
     from importlib import metadata
 
     versions = {}
-    from companion.site import DISTRIBUTION
+    from companion.book.site import DISTRIBUTION
 
     # the library is recorded as "companion" (its import name); its distribution on
     # PyPI is attention-reproduced
@@ -286,7 +286,7 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
 def active_chapter() -> Chapter:
     if _ACTIVE is None:
         raise RuntimeError(
-            "no active chapter: call companion.provenance.begin_chapter(name, scale=..., "
+            "no active chapter: call companion.book.provenance.begin_chapter(name, scale=..., "
             "seed=..., device=...) first"
         )
     return _ACTIVE
@@ -419,8 +419,8 @@ def bibtex_entry(item: dict[str, Any], metadata: dict[str, Any] | None = None,
     metadata : ``CITATION.cff`` as a dict (authors, title, version); default: the
         repository's (:func:`citation_metadata`).
     repository : the repository's web address; the entry's ``url`` is the repository's
-        tree at the item's commit (``companion.site.tree_url``). Default: from
-        ``_config.yml`` (``companion.site.repository_url``).
+        tree at the item's commit (``companion.book.site.tree_url``). Default: from
+        ``_config.yml`` (``companion.book.site.repository_url``).
 
     >>> side = {"id": "demo-x", "type": "figure", "chapter": "demo", "caption": "A & B.",
     ...         "git_commit": "0123456789abcdef", "created": "2026-11-29T00:00:00+00:00",
@@ -436,7 +436,7 @@ def bibtex_entry(item: dict[str, Any], metadata: dict[str, Any] | None = None,
       note = {Commit 0123456789ab, scale ci, device cpu, seed 0. A \& B.}
     }
     """
-    from companion import site
+    from companion.book import site
 
     if not isinstance(item, dict) or not isinstance(item.get("id"), str):
         raise ValueError(f"item: expected a figure or table sidecar with an 'id', got {item!r}")

@@ -6,7 +6,7 @@ same; the intervals narrow, and some verdicts change). A *build* here is any fol
 holds claim records at ``<chapter>/claims/<id>.json`` below it, e.g.
 ``book/_generated/assets`` of a checkout, or a copy of it.
 
-``python -m companion.claims_diff OLD NEW`` prints a Markdown table of the differences;
+``python -m companion.book.claims_diff OLD NEW`` prints a Markdown table of the differences;
 ``--identical`` makes it exit 1 when any verdict differs or any value differs by more
 than ``--rtol`` (relative, default 1e-9), for a check in a script.
 
@@ -127,7 +127,7 @@ def markdown(rows: list[dict], n_old: int, n_new: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m companion.claims_diff",
+    parser = argparse.ArgumentParser(prog="python -m companion.book.claims_diff",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("old", type=Path, help="folder with <chapter>/claims/*.json below it")
     parser.add_argument("new", type=Path)

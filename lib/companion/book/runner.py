@@ -10,7 +10,7 @@ A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running
 2. skips the run when a cached good run has the same key (chapter source, ``lib/``
    sources, parameters, processes and installed package versions), unless forced;
 3. executes it with papermill into a private staging folder, the chapter writing its
-   figures, tables, claims and kernel log there (see :mod:`companion.provenance`). It
+   figures, tables, claims and kernel log there (see :mod:`companion.book.provenance`). It
    prints the log's path when it starts and, every :data:`PROGRESS_SECONDS`
    (``$COMPANION_PROGRESS_SECONDS``), the cell it is executing ("cell k of N");
 4. on success swaps the staging outputs into ``book/_generated/`` and finishes the
@@ -88,8 +88,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from companion import provenance as prov
-from companion.interrupts import (  # noqa: F401 - re-exported: the runner's interrupt API
+from companion.book import provenance as prov
+from companion.book.interrupts import (  # noqa: F401 - re-exported: the runner's interrupt API
     INTERRUPT_SIGNALS,
     _INTERRUPT,
     RunInterrupted,
@@ -565,7 +565,7 @@ def _markdown_cell(source: str, tag: str):
 
 def _commit_text(record: dict[str, Any]) -> str:
     """The run's commit as a link to it in the repository (plain when unknown)."""
-    from companion import site
+    from companion.book import site
 
     commit = str(record.get("git_commit") or "unknown")
     short = f"`{commit[:12]}`"
@@ -703,7 +703,7 @@ def install_cell_source(name: str, repository: str, commit: str) -> str:
     ``$COMPANION_INSTALL_SOURCE`` replaces the requirement (a local checkout, say) and
     ``$COMPANION_PIP_ARGS`` adds pip arguments.
     """
-    from companion import site
+    from companion.book import site
 
     ref = commit if re.fullmatch(r"[0-9a-f]{7,40}", commit) else "main"
     requirement = site.install_spec(repository or site.PLACEHOLDER_REPOSITORY, ref)
@@ -1348,7 +1348,7 @@ def _kernel_env(name: str, output_dir: Path, asset_url: str, commit: str, dirty:
 
 def _new_record(project: Project, name: str, params: dict, defaults: dict, nproc: int,
                 commit: str, dirty: bool, out: str | None = None) -> dict[str, Any]:
-    from companion import site
+    from companion.book import site
 
     return {
         "chapter": name, "parameters": params, "defaults": defaults, "nproc": nproc,
@@ -1637,7 +1637,7 @@ def jupyter_book_executable() -> str:
 
 def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
     """Generate the index pages and build the HTML book with warnings as errors."""
-    from companion import pages
+    from companion.book import pages
 
     mathjax = project.root / "book" / "_static" / "mathjax" / "tex-chtml.js"
     if not mathjax.exists():

@@ -4,7 +4,7 @@ Halevi et al. observe that in the final layers the context similarity of head ou
 spreads within a sentence and drops across sentence boundaries, which "suggests a
 semantic text segmentation mechanism". This module turns a window's similarity matrices
 into predicted boundaries, so that the suggestion can be scored against gold sentences
-(:mod:`companion.segmentation_eval`).
+(:mod:`companion.context_similarity.segmentation_eval`).
 
 Boundaries
 ----------

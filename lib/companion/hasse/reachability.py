@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from companion._validate import check_bool, check_choice, check_int, check_number, describe
-from companion.masks import validate_mask
+from companion.hasse.masks import validate_mask
 
 __all__ = [
     "OrderStructure",
@@ -112,7 +112,7 @@ def mask_graph(mask: torch.Tensor) -> nx.DiGraph:
     The graph networkx's algorithms take (closure, condensation, reduction): the peer the
     tests and the chapter compare this module with. O(n + edges) time.
 
-    >>> from companion.masks import causal
+    >>> from companion.hasse.masks import causal
     >>> sorted(mask_graph(causal(3)).edges)
     [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
     """

@@ -12,7 +12,7 @@ A *task* on ``P`` positions is a triple ``(inputs, targets, mask)``:
 - ``mask``: a ``(P, P)`` bool attention mask (``mask[q, k]``: ``q`` may attend ``k``).
 
 A task's Hasse diagram (:func:`hasse_diagram`) is the Hasse diagram of its mask
-(:func:`companion.reachability.hasse_diagram`) with each node carrying ``inputs`` and
+(:func:`companion.hasse.reachability.hasse_diagram`) with each node carrying ``inputs`` and
 ``targets`` of its members.
 
 *Node equivalence* (the paper's Definition 3.5): two nodes, possibly of different tasks'
@@ -57,8 +57,8 @@ import networkx as nx
 import numpy as np
 import torch
 
-from companion import masks as M
-from companion import reachability as RR
+from companion.hasse import masks as M
+from companion.hasse import reachability as RR
 from companion._validate import check_bool, check_int, check_number, describe
 
 __all__ = [
@@ -573,7 +573,7 @@ def bidirectional_family(n: int) -> list[Task]:
 def block_two_stream(n: int, block: int) -> Task:
     """Block two-stream attention: the minimal merge of :func:`block_generation_family`.
 
-    Layout (as :func:`companion.masks.block_two_stream_mask`): content positions for the
+    Layout (as :func:`companion.hasse.masks.block_two_stream_mask`): content positions for the
     tokens of blocks ``0..K-2`` in token order, then ``n`` mask-token positions, the
     ``t``-th predicting token ``t``. The last block's content is absent: no prediction
     reads it, so the minimal merge drops it (the common ``2n`` layout appends it).
@@ -592,7 +592,7 @@ def block_two_stream(n: int, block: int) -> Task:
 def butterfly(n: int) -> Task:
     """Butterfly attention: the minimal merge of :func:`bidirectional_family`.
 
-    Layout (as :func:`companion.masks.butterfly_mask`): forward chain (tokens
+    Layout (as :func:`companion.hasse.masks.butterfly_mask`): forward chain (tokens
     ``0..n-2``), backward chain (tokens ``1..n-1``), then ``n`` prediction positions, the
     ``k``-th predicting token ``k`` from the aggregate ``(k-1, k+1)`` and seeing every
     other token. Supervision density 1.0 and no self-leakage.
