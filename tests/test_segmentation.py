@@ -1,4 +1,4 @@
-"""Tests of companion.context_similarity.segmentation and companion.context_similarity.segmentation_eval against independent
+"""Tests of companion.context_similarity.segmentation and .segmentation_eval against independent
 references (model forward passes only in the last tests, on a tiny random BERT).
 
 - the fast dynamic programme against a brute force over all 2^(n-1) segmentations and

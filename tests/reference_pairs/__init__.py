@@ -61,16 +61,19 @@ def assert_same(fast: Any, reference: Any, *, exact: bool, rtol: float, atol: fl
         return
     if isinstance(reference, torch.Tensor):
         assert isinstance(fast, torch.Tensor), f"{where}: {type(fast).__name__} is not a tensor"
-        assert fast.shape == reference.shape, f"{where}: shape {tuple(fast.shape)} != {tuple(reference.shape)}"
+        assert fast.shape == reference.shape, (
+            f"{where}: shape {tuple(fast.shape)} != {tuple(reference.shape)}")
         fast, reference = fast.detach().cpu(), reference.detach().cpu()
         if exact:
-            assert fast.dtype == reference.dtype, f"{where}: dtype {fast.dtype} != {reference.dtype}"
+            assert fast.dtype == reference.dtype, (
+                f"{where}: dtype {fast.dtype} != {reference.dtype}")
             assert torch.equal(fast, reference), f"{where}: differs (exact comparison)"
         else:
             torch.testing.assert_close(fast, reference.to(fast.dtype), rtol=rtol, atol=atol,
                                        msg=lambda m: f"{where}: {m}")
         return
     if isinstance(reference, float) and not exact:
-        assert abs(fast - reference) <= atol + rtol * abs(reference), f"{where}: {fast} != {reference}"
+        assert abs(fast - reference) <= atol + rtol * abs(reference), (
+            f"{where}: {fast} != {reference}")
         return
     assert fast == reference, f"{where}: {fast!r} != {reference!r}"
