@@ -502,6 +502,12 @@ def test_window_features_take_one_forward_pass(toy_brown, tok, tiny_model):
     sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
     torch.testing.assert_close(f.heads, sg.standardise(sims).float(), atol=1e-5, rtol=0)
     assert f.heads.shape == (5, 3, 2, 22, 22) and f.attention.shape == f.heads.shape
+    # filled in place, batch by batch: the same values as the batches concatenated
+    parts = list(se._batches(tiny_model, w, 2))
+    for i, got in enumerate((f.heads, f.attention, f.hidden)):
+        assert torch.equal(got, torch.cat([p[i] for p in parts]))
+    with pytest.raises(ValueError, match="windows: expected at least one window"):
+        se.window_features(tiny_model, w[:0], batch_size=2)
 
 
 def test_evaluate_reads_the_given_windows_split_by_document(toy_brown, tok, tiny_model):

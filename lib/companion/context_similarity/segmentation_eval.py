@@ -317,8 +317,22 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
         raise TypeError(
             f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
     batch_size = check_int("batch_size", batch_size, minimum=1)
-    parts = list(_batches(model, windows, batch_size))
-    return Features(*(torch.cat([p[i] for p in parts]) for i in range(3)))
+    # Filled batch by batch into tensors allocated once: collecting the batches and
+    # concatenating them would hold every feature twice (at paper scale, 2,000 windows of
+    # [6, 12, 126, 126] float32 similarity and attention maps: about 9 GB each time).
+    out: list[torch.Tensor] | None = None
+    start = 0
+    for part in _batches(model, windows, batch_size):
+        if out is None:
+            out = [torch.empty((len(windows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+                   for x in part]
+        stop = start + part[0].shape[0]
+        for dest, x in zip(out, part):
+            dest[start:stop] = x
+        start = stop
+    if out is None:
+        raise ValueError("windows: expected at least one window, got none")
+    return Features(*out)
 
 
 def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -> torch.Tensor:
