@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from companion.hasse import masks as M  # noqa: E402
+from companion.hasse import draw as D  # noqa: E402
 from companion.hasse import reachability as RR  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def test_first_reach_layer_equals_breadth_first_search(mask):
 def test_draw_reach_layers_counts_every_pair_once_and_the_residual_diagonal():
     mask = M.xlnet_two_stream([3, 0, 4, 1, 2]).joint
     fig, ax = plt.subplots()
-    counts = RR.draw_reach_layers(ax, mask)
+    counts = D.draw_reach_layers(ax, mask)
     n = mask.shape[0]
     assert sum(counts.values()) == n * n
     assert counts["mask"] == int(mask.sum())
@@ -76,17 +77,17 @@ def test_draw_reach_layers_counts_every_pair_once_and_the_residual_diagonal():
 def test_draw_reach_layers_layers_and_shared_scale():
     mask = M.sliding_window(9, 3)  # depth ceil(8 / 2) = 4
     fig, ax = plt.subplots()
-    counts = RR.draw_reach_layers(ax, mask, max_layer=6)
+    counts = D.draw_reach_layers(ax, mask, max_layer=6)
     first = _first_layer_bfs(mask)
     for layer in (2, 3, 4):
         assert counts[layer] == sum(row.count(layer) for row in first)
     assert 5 not in counts
     assert len(ax.get_images()[0].get_cmap().colors) == 3 + 5  # never, mask, residual, 2..6
-    assert len(RR.reach_layer_key(6)) == 2 + 5 + 1
+    assert len(D.reach_layer_key(6)) == 2 + 5 + 1
     with pytest.raises(ValueError, match="max_layer"):
-        RR.draw_reach_layers(ax, mask, max_layer=3)
+        D.draw_reach_layers(ax, mask, max_layer=3)
     with pytest.raises(TypeError, match="mask"):
-        RR.draw_reach_layers(ax, mask.float())
+        D.draw_reach_layers(ax, mask.float())
     plt.close(fig)
 
 
@@ -102,17 +103,17 @@ def _text_width_points(text, size):
 @pytest.mark.parametrize("label", ["1", "0-2,5", "[m]×2\n→0,1", "1+3\n→2", "123456789"])
 @pytest.mark.parametrize("size", [8, 11])
 def test_label_node_size_holds_the_label(label, size):
-    diameter = np.sqrt(RR.label_node_size([label], size))
+    diameter = np.sqrt(D.label_node_size([label], size))
     widest = max(_text_width_points(line, size) for line in label.split("\n"))
     height = size * 1.2 * len(label.split("\n"))
     # the label's bounding box fits inside the circle: its half-diagonal within the radius
     assert np.hypot(widest, height * 0.9) <= diameter
-    assert RR.label_node_size([label], size) < RR.label_node_size([label + "00"], size)
+    assert D.label_node_size([label], size) < D.label_node_size([label + "00"], size)
 
 
 def test_label_node_size_bad_font_size():
     with pytest.raises(ValueError, match="font_size"):
-        RR.label_node_size(["1"], 0)
+        D.label_node_size(["1"], 0)
 
 
 def _random_dag(n, seed):
@@ -126,7 +127,7 @@ def _random_dag(n, seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_ranked_layout_rows_are_ranks_and_nodes_keep_apart(seed):
     g = _random_dag(9, seed)
-    pos = RR.ranked_layout(g)
+    pos = D.ranked_layout(g)
     assert set(pos) == set(g)
     for v in g:  # row = the longest path that ends at v (networkx, on v's ancestors)
         longest = nx.dag_longest_path_length(g.subgraph(nx.ancestors(g, v) | {v}))
@@ -140,11 +141,11 @@ def test_ranked_layout_rows_are_ranks_and_nodes_keep_apart(seed):
 
 
 def test_ranked_layout_chain_is_vertical_and_empty_graph():
-    pos = RR.ranked_layout(nx.path_graph(5, create_using=nx.DiGraph))
+    pos = D.ranked_layout(nx.path_graph(5, create_using=nx.DiGraph))
     assert {x for x, _ in pos.values()} == {0.0}
-    assert RR.ranked_layout(nx.DiGraph()) == {}
+    assert D.ranked_layout(nx.DiGraph()) == {}
     with pytest.raises(TypeError, match="graph"):
-        RR.ranked_layout(M.causal(3))
+        D.ranked_layout(M.causal(3))
 
 
 def _circles_in_inches(ax, pos, node_size):
@@ -159,13 +160,13 @@ def _circles_in_inches(ax, pos, node_size):
 def test_draw_hasse_in_a_panel_of_hasse_panel_inches_keeps_circles_apart_and_inside(seed):
     g = _random_dag(8, seed)
     labels = {v: f"{v},{v + 1}" for v in g}
-    size = RR.label_node_size(labels, 8)
-    pos = RR.ranked_layout(g)
-    w, h = RR.hasse_panel_inches(pos, size)
+    size = D.label_node_size(labels, 8)
+    pos = D.ranked_layout(g)
+    w, h = D.hasse_panel_inches(pos, size)
     fig = plt.figure(figsize=(w + 1, h + 1))
     ax = fig.add_axes((0.5 / (w + 1), 0.5 / (h + 1), w / (w + 1), h / (h + 1)))
-    RR.draw_hasse(g, ax, pos=pos, labels=labels, node_size=size)
-    RR.fit_hasse_axes(ax, pos, size)
+    D.draw_hasse(g, ax, pos=pos, labels=labels, node_size=size)
+    D.fit_hasse_axes(ax, pos, size)
     centres, radius = _circles_in_inches(ax, pos, size)
     points = np.array(list(centres.values()))
     if len(points) > 1:
@@ -186,20 +187,20 @@ def test_draw_hasse_in_a_panel_of_hasse_panel_inches_keeps_circles_apart_and_ins
 def test_draw_hasse_defaults_fit_the_labels_and_bad_graph():
     g = RR.hasse_diagram(M.block_causal(6, 3))
     fig, ax = plt.subplots()
-    pos = RR.draw_hasse(g, ax)
+    pos = D.draw_hasse(g, ax)
     assert sorted(t.get_text() for t in ax.texts) == ["0-2", "3-5"]
     sizes = ax.collections[0].get_sizes()
-    assert np.allclose(sizes, RR.label_node_size(["0-2", "3-5"], 8))
-    assert pos == RR.ranked_layout(g)
+    assert np.allclose(sizes, D.label_node_size(["0-2", "3-5"], 8))
+    assert pos == D.ranked_layout(g)
     with pytest.raises(TypeError, match="graph"):
-        RR.draw_hasse(M.causal(3), ax)
+        D.draw_hasse(M.causal(3), ax)
     plt.close(fig)
 
 
 @pytest.mark.parametrize("n, step", [(1, 1), (7, 1), (10, 1), (13, 2), (24, 2)])
 def test_draw_mask_ticks_are_readable(n, step):
     fig, ax = plt.subplots()
-    RR.draw_mask(ax, M.causal(n), "causal")
+    D.draw_mask(ax, M.causal(n), "causal")
     assert list(ax.get_xticks()) == list(range(0, n, step))
     assert all(t.get_fontsize() >= 8 for t in ax.get_xticklabels() + ax.get_yticklabels())
     assert ax.xaxis.label.get_fontsize() >= 8
@@ -210,21 +211,21 @@ def test_draw_mask_ticks_are_readable(n, step):
 def test_draw_mask_rejects_a_float_mask():
     fig, ax = plt.subplots()
     with pytest.raises(TypeError, match="mask"):
-        RR.draw_mask(ax, torch.ones(3, 3))
+        D.draw_mask(ax, torch.ones(3, 3))
     plt.close(fig)
 
 
 def test_hasse_panel_inches_and_fit_axes_share_one_scale():
     size = 40.0 ** 2
     step = 40 * 1.6 / 72
-    w, h = RR.hasse_panel_inches({0: (0, 0), 1: (2, -3)}, size)
+    w, h = D.hasse_panel_inches({0: (0, 0), 1: (2, -3)}, size)
     assert (w, h) == pytest.approx((3 * step, 4 * step))
-    assert RR.hasse_panel_inches({}, size) == pytest.approx((step, step))
+    assert D.hasse_panel_inches({}, size) == pytest.approx((step, step))
     fig = plt.figure(figsize=(4, 6))
     a = fig.add_axes((0, 0, 0.5, 0.5))
     b = fig.add_axes((0.5, 0.5, 0.5, 0.5))
-    RR.fit_hasse_axes(a, {0: (0, 0)}, size)
-    RR.fit_hasse_axes(b, {0: (0, 0), 1: (0, -2)}, size)
+    D.fit_hasse_axes(a, {0: (0, 0)}, size)
+    D.fit_hasse_axes(b, {0: (0, 0), 1: (0, -2)}, size)
     for ax in (a, b):  # a unit is `step` inches in both directions, tops at half a unit
         x0, x1 = ax.get_xlim()
         y0, y1 = ax.get_ylim()
@@ -232,5 +233,5 @@ def test_hasse_panel_inches_and_fit_axes_share_one_scale():
         assert (y1 - y0) * step == pytest.approx(3.0)
         assert y1 == pytest.approx(0.5)
     with pytest.raises(ValueError, match="node_size"):
-        RR.hasse_panel_inches({0: (0, 0)}, 0)
+        D.hasse_panel_inches({0: (0, 0)}, 0)
     plt.close(fig)

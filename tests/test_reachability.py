@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from companion.hasse import masks as M
+from companion.hasse import draw as D
 from companion.hasse import reachability as RR
 
 METHODS = ["bitset", "matmul"]
@@ -195,7 +196,7 @@ def test_scale_smoke():
 def test_tokens_reached_and_format():
     R = RR.layer_adjacency(M.causal(3))
     assert RR.tokens_reached(R, [(0,), (1, 2), ()]) == [{0}, {0, 1, 2}, {0, 1, 2}]
-    assert RR.format_members((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    assert D.format_members((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
 
 
 def test_bad_inputs():
