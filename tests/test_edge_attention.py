@@ -235,7 +235,7 @@ def test_edge_attention_bad_scale_weights_and_meta_tensors():
             edge_attention(q, k, v, e, **kwargs)
     with pytest.raises(ValueError, match=r"^q: expected a tensor with values, got one on the meta"):
         edge_attention(q.to("meta"), k.to("meta"), v.to("meta"), tuple(t.to("meta") for t in e))
-    from companion.sbm.graph_attention import dense_masked_attention
+    from companion.sbm.reference import dense_masked_attention
 
     with pytest.raises(ValueError, match=r"^q: expected \[\.\.\., length, dim\], got shape \(2,\)"):
         dense_masked_attention(torch.ones(2), k, v, torch.ones(4, 5, dtype=torch.bool))

@@ -1,4 +1,4 @@
-"""Tests of companion.sbm / companion.sbm.graph_attention against independent references:
+"""Tests of companion.sbm (fastrg, graph_attention, layer) against independent references:
 closed forms (E[A] = Qhat S Khat^T, the STE gradient), dense float64 softmax attention,
 torch SDPA, the dense masked formulation, and torch.autograd.gradcheck.
 

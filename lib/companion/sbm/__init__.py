@@ -1,8 +1,28 @@
 """SBM-Transformer (chapter 4): attention on a graph sampled per head from a stochastic
 block model (fastRG), with straight-through gradients.
 
-The public API is importable from here (``from companion import sbm``);
-``graph_attention`` holds attention over an edge list (the cost linear in the edges).
+The public API is importable from here (``from companion import sbm``). Submodules:
+
+- ``reference``: the paper's equations, dense (``P = Qhat S Khat^T``, Poisson counts,
+  masked softmax attention): what the fast paths are tested against;
+- ``fastrg``: :func:`fastrg_sample` and its :class:`FastRGTuning`;
+- ``graph_attention``: attention over an edge list (the cost linear in the edges);
+- ``layer``: :class:`SBMAttention` (straight-through estimator), :func:`density_regularizer`.
 """
-from companion.sbm.core import *  # noqa: F401,F403  (the public API)
-from companion.sbm.core import __all__  # noqa: F401
+from companion.sbm.fastrg import (DUPLICATE_POLICIES, FastRGTuning, edge_probabilities,
+                                  fastrg_sample)
+from companion.sbm.graph_attention import edge_attention
+from companion.sbm.layer import SBMAttention, density_regularizer, sbm_parameters
+from companion.sbm.reference import dense_masked_attention
+
+__all__ = [
+    "sbm_parameters",
+    "edge_probabilities",
+    "fastrg_sample",
+    "edge_attention",
+    "SBMAttention",
+    "density_regularizer",
+    "dense_masked_attention",
+    "DUPLICATE_POLICIES",
+    "FastRGTuning",
+]

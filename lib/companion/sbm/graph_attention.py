@@ -39,8 +39,7 @@ import warnings
 
 import torch
 
-__all__ = ["edge_attention", "dense_masked_attention", "EdgeGraph", "attention_on_graph",
-           "stable_argsort"]
+__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph", "stable_argsort"]
 
 
 def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
@@ -381,54 +380,3 @@ def edge_attention(
         float(scale),
     )
     return out.reshape(*batch_shape, n, v.shape[-1])
-
-
-def dense_masked_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Dense reference: softmax over all keys, then mask, then renormalise.
-
-    ``out = (softmax(q k^T * scale) * mask) / rowsum(...) @ v`` -- the formulation of the
-    public SBM-Transformer code.  Rows whose masked weights sum to zero give zero output.
-    ``mask`` may be bool or float (weights / multiplicities); with nonnegative weights it
-    equals :func:`edge_attention` on the same graph, up to the underflow of tiny softmax
-    entries that this formulation suffers and the edge list does not.
-
-    Parameters
-    ----------
-    q : ``[..., n, d]``; k : ``[..., m, d]``; v : ``[..., m, d_v]``.
-    mask : broadcastable to ``[..., n, m]``.
-
-    Complexity
-    ----------
-    ``O(n m d)`` time and several ``n x m`` tensors of memory per group.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point torch.Tensor")
-        if t.dim() < 2:
-            raise ValueError(f"{name}: expected [..., length, dim], got shape {tuple(t.shape)}")
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"q, k, v: expected [..., n, d], [..., m, d], [..., m, d_v], got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    n, m = q.shape[-2], k.shape[-2]
-    if n == 0 or m == 0:
-        raise ValueError(f"q, k: empty sequence, got n={n}, m={m}")
-    if mask.dim() < 2 or mask.shape[-2:] != (n, m):
-        raise ValueError(f"mask: expected shape [..., {n}, {m}], got {tuple(mask.shape)}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    attn = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
-    attn = attn * mask.to(attn.dtype)
-    total = attn.sum(-1, keepdim=True)
-    attn = attn / torch.where(total > 0, total, torch.ones_like(total))
-    return attn @ v

@@ -1,0 +1,547 @@
+"""fastRG sampling of the SBM attention graph (Rohe et al., 2018), as an edge list.
+
+Definition
+----------
+Given memberships ``Qhat`` (``[n, k]``), ``Khat`` (``[m, k]``) and a block matrix ``S``
+(``[k, k]``), all nonnegative, sample ``A ~ Poisson(P)`` with ``P = Qhat S Khat^T``
+without forming ``P``: :func:`fastrg_sample` draws the edges in query-major order (see
+its docstring), in time ``O(E + (n + m) k + n k^2)`` and memory ``O(E + (n + m) k + k^2)``
+per group.  :func:`edge_probabilities` forms ``P`` densely (tests, small ``n``).
+
+Every speed and memory knob is a field of :class:`FastRGTuning`, passed as an argument;
+the module keeps no tuning state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from companion._validate import check_tensor
+from companion.sbm.graph_attention import stable_argsort
+
+__all__ = ["fastrg_sample", "edge_probabilities", "FastRGTuning", "DUPLICATE_POLICIES"]
+
+DUPLICATE_POLICIES = ("merge", "keep")
+KEY_DRAWS = ("auto", "rejection", "search")
+CPU_UNIFORM_SOURCES = ("numpy", "torch")
+
+
+@dataclass(frozen=True)
+class FastRGTuning:
+    """Speed and memory knobs of :func:`fastrg_sample`; none changes the distribution.
+
+    For a fixed seed the graph depends on the tuning (the uniforms are consumed in a
+    different order), but every tuning samples the same law ``A ~ Poisson(P)``.
+
+    Parameters
+    ----------
+    table_block_entries : int >= 1
+        Groups are processed in blocks whose key tables (``groups x clusters x m``
+        entries) stay below this size (at least one group per block).
+    draw_block : int >= 1
+        About this many edges get their keys drawn per step (bounded scratch memory).
+    key_draw : ``"auto"`` (default), ``"rejection"`` or ``"search"``
+        How keys are drawn.  ``"rejection"``: propose uniformly, accept with probability
+        ``Khat_jb / max_j Khat_jb`` (exact, expected ``max / mean`` proposals per edge);
+        ``"search"``: inverse-CDF search; ``"auto"``: rejection for a block of groups
+        when every key cluster in it accepts at least ``min_acceptance`` of the
+        proposals, else search.
+    min_acceptance : float in ``[0, 1]``
+        The ``"auto"`` threshold (default 1/8).
+    cpu_uniforms : ``"numpy"`` (default) or ``"torch"``
+        On CPU, uniforms and index compaction from numpy's PCG64 (seeded by the torch
+        generator; several times faster) or from torch's generator and kernels (the path
+        CUDA always takes).
+    """
+
+    table_block_entries: int = 1 << 22
+    draw_block: int = 1 << 18
+    key_draw: str = "auto"
+    min_acceptance: float = 1 / 8
+    cpu_uniforms: str = "numpy"
+
+    def __post_init__(self):
+        for name in ("table_block_entries", "draw_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.key_draw not in KEY_DRAWS:
+            raise ValueError(f"key_draw: expected one of {KEY_DRAWS}, got {self.key_draw!r}")
+        accept = self.min_acceptance
+        if not isinstance(accept, (int, float)) or isinstance(accept, bool) or not 0 <= accept <= 1:
+            raise ValueError(f"min_acceptance: expected a float in [0, 1], got {accept!r}")
+        if self.cpu_uniforms not in CPU_UNIFORM_SOURCES:
+            raise ValueError(
+                f"cpu_uniforms: expected one of {CPU_UNIFORM_SOURCES}, got {self.cpu_uniforms!r}"
+            )
+
+
+DEFAULT_TUNING = FastRGTuning()
+
+
+def edge_probabilities(
+    q_membership: torch.Tensor, s: torch.Tensor, k_membership: torch.Tensor
+) -> torch.Tensor:
+    """Dense edge-probability matrix ``P = Qhat S Khat^T`` (tests and small ``n`` only).
+
+    Parameters
+    ----------
+    q_membership, s, k_membership : as for :func:`fastrg_sample`.
+
+    Returns
+    -------
+    P : ``[n, m]`` or ``[B, H, n, m]``.
+
+    Complexity
+    ----------
+    ``O(n m k)`` time and ``O(n m)`` memory per head: this is the cost fastRG avoids.
+
+    Examples
+    --------
+    >>> p = edge_probabilities(torch.ones(3, 2), torch.full((2, 2), 0.25), torch.ones(4, 2))
+    >>> p.shape, float(p[0, 0])
+    (torch.Size([3, 4]), 1.0)
+    """
+    qm, sg, km, batch_shape = _groups(q_membership, s, k_membership)
+    p = (qm @ sg) @ km.transpose(-1, -2)
+    return p.reshape(*batch_shape, qm.shape[1], km.shape[1])
+
+
+
+# ---------------------------------------------------------------------------------------
+# fastRG sampler
+# ---------------------------------------------------------------------------------------
+def fastrg_sample(
+    q_membership: torch.Tensor,
+    s: torch.Tensor,
+    k_membership: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    duplicates: str = "keep",
+    self_loops: bool = False,
+    tuning: FastRGTuning = DEFAULT_TUNING,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample the bipartite graph ``A ~ Qhat S Khat^T`` with fastRG, as an edge list.
+
+    fastRG (Rohe et al., 2018) draws ``E ~ Poisson(sum P)`` edges, each with a cluster
+    pair ``(a, b) ~ S~ / sum S~`` (``S~ = diag(colsum Qhat) S diag(colsum Khat)``) and
+    endpoints ``i ~ Qhat[:, a] / colsum``, ``j ~ Khat[:, b] / colsum``: a Poisson process
+    on ``(i, a, b, j)`` with intensity ``Qhat_ia S_ab Khat_jb``, whose edge counts
+    ``N_ij`` are independent Poisson(``P_ij``).  We draw the same process in
+    query-major order, so that edges come out sorted by ``(group, query)`` (the CSR
+    order :func:`edge_attention` works in) without a sort:
+
+    1. Poisson splitting over ``(i, b)`` with ``a`` summed out: the edges whose query is
+       ``i`` and whose key cluster is ``b`` number ``N_ib ~ Poisson((Qhat S)_ib
+       colsum_b(Khat))``, independently (``sum N_ib ~ Poisson(sum P)``, and given the
+       total the edges are i.i.d. with ``(i, b)`` distributed as in fastRG);
+    2. each such edge draws its key ``j ~ Khat[:, b] / colsum_b(Khat)``.
+
+    Then ``Pr[edge = (i, j)] = sum_ab Qhat_ia S_ab Khat_jb / sum P = P_ij / sum P``, as in
+    fastRG.  Step 2 is batched over all edges of all groups; no ``n x m`` tensor is ever
+    formed.  Each key is drawn by rejection from the uniform proposal (propose ``j``
+    uniformly, accept with probability ``Khat_jb / max_j Khat_jb``: exact, nothing to
+    search, about two look-ups per edge for sigmoid memberships) when every key cluster
+    of a block of groups accepts at least ``tuning.min_acceptance`` of the proposals;
+    otherwise (skewed clusters) by an inverse-CDF search over the cumulative sums of
+    ``Khat[:, b]`` (``tuning`` can force either).  On CPU the uniforms come from numpy's
+    PCG64 seeded by the torch generator (see :class:`_RandomSource`): the same seed (and
+    tuning) gives the same graph.  The inputs are only read, never written.
+
+    Parameters
+    ----------
+    q_membership : ``[n, k]`` or ``[B, H, n, k]``, nonnegative and finite.
+    s : ``[k, k]`` (one group), or ``[H, k, k]`` / ``[B, H, k, k]`` (batch), nonnegative.
+    k_membership : ``[m, k]`` or ``[B, H, m, k]``, nonnegative and finite.
+    generator : optional ``torch.Generator`` on the memberships' device.
+    duplicates : ``"keep"`` (default) or ``"merge"``.
+        ``"keep"`` returns the Poisson multigraph as drawn: a pair drawn ``c`` times
+        appears ``c`` times, ``E[count_ij] = P_ij`` exactly, and attention weighs that
+        key ``c`` times (duplicates are rare where ``P`` is small: ``Pr[c >= 2] <=
+        P_ij^2 / 2``).  ``"merge"`` keeps one copy of each drawn pair, so ``A`` is a 0/1
+        mask with ``Pr[A_ij = 1] = 1 - exp(-P_ij)`` (the simple-graph fastRG), at the
+        price of a linear-time radix sort; edges come sorted by ``(group, query, key)``.
+    self_loops : if True (requires ``n == m``), every query ``i`` also gets the edge
+        ``(i, i)`` (once, appended in order), so no query is left without an edge.  If
+        False (default) a query may get no edge; :func:`edge_attention` then returns a
+        zero output row for it.
+    tuning : :class:`FastRGTuning`, optional
+        Block sizes, the key-draw method and the CPU uniform source (speed and memory
+        only: every tuning samples the same distribution).
+
+    Returns
+    -------
+    group, query, key : int64 tensors of equal length ``E``, one entry per edge, on the
+        memberships' device, sorted by ``(group, query)``.  ``group`` is the flat index
+        ``b * H + h`` (0 for one group).
+
+    Raises
+    ------
+    ValueError
+        On shape mismatches, empty sequences, negative/NaN/infinite entries, an unknown
+        ``duplicates`` policy, or ``self_loops`` with ``n != m``.
+    TypeError
+        Non-floating memberships, a ``tuning`` that is not a :class:`FastRGTuning`, a
+        ``generator`` that is not a ``torch.Generator``, a non-bool ``self_loops``.
+
+    Complexity
+    ----------
+    Time ``O(E + G (n + m) k + G n k^2)`` in expectation with rejection (``O(E log(m k))``
+    with the search fallback; the last term is one GEMM, ``Qhat S``),
+    memory ``O(E + G (n + m) k + G k^2)`` for ``G`` groups and ``E`` edges.
+
+    Examples
+    --------
+    >>> qm, km = torch.full((5, 2), 0.5), torch.full((7, 2), 0.5)
+    >>> s = torch.full((2, 2), 0.25)
+    >>> group, query, key = fastrg_sample(qm, s, km, torch.Generator().manual_seed(0))
+    >>> bool((query[1:] >= query[:-1]).all()), int(key.max()) < 7
+    (True, True)
+    """
+    _check_options(duplicates, self_loops, generator, tuning)
+    qm, sg, km, _ = _groups(q_membership, s, k_membership)
+    for name, t in (("q_membership", qm), ("s", sg), ("k_membership", km)):
+        # one pass: min and max are NaN if any entry is, and the comparisons then fail
+        lo, hi = (float(x) for x in torch.aminmax(t.detach()))
+        if not (lo >= 0 and hi < math.inf):
+            raise ValueError(
+                f"{name}: expected nonnegative finite entries (found negative, NaN or inf)"
+            )
+    num_groups, n, _ = qm.shape
+    m = km.shape[1]
+    if self_loops and n != m:
+        raise ValueError(f"self_loops: requires as many queries as keys, got n={n}, m={m}")
+    with torch.no_grad():
+        # views of the caller's tensors: nothing derived from them is written in place
+        qm, sg, km = qm.detach(), sg.detach(), km.detach()
+        draws = _RandomSource(qm.device, generator, tuning.cpu_uniforms)
+        # step 1: one Poisson count per cell (group, query, key cluster b); the cells in
+        # this order sort the edges by (group, query, b)
+        counts = draws.poisson(_cell_rates(qm, sg, km).reshape(-1))
+        group, query = _cell_owners(counts, num_groups, n)
+        # step 2: the key of every edge, from its cell's key cluster
+        key = _draw_keys(km, counts, n, draws, tuning)
+        if self_loops:
+            group, query, key = _append_self_loops(group, query, key, num_groups, n)
+        if duplicates == "merge":
+            group, query, key = _merge_duplicates(group, query, key, num_groups, n, m)
+    return group, query, key
+
+
+def _check_options(duplicates, self_loops, generator, tuning) -> None:
+    if duplicates not in DUPLICATE_POLICIES:
+        raise ValueError(f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}")
+    if not isinstance(tuning, FastRGTuning):
+        raise TypeError(f"tuning: expected a FastRGTuning, got {type(tuning).__name__}")
+    if not isinstance(self_loops, bool):
+        raise TypeError(
+            f"self_loops: expected a bool, got {self_loops!r} ({type(self_loops).__name__})"
+        )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator: expected a torch.Generator or None, got {generator!r} "
+            f"({type(generator).__name__})"
+        )
+
+
+def _cell_rates(qm: torch.Tensor, sg: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
+    """``[G, n, k]`` float64: the expected number of edges with query ``i`` whose key
+    comes from cluster ``b``, ``(Qhat S)_ib colsum_b(Khat)`` (one GEMM in the inputs'
+    precision, then float64 for the Poisson rates; no float64 copy of the memberships)."""
+    work = torch.promote_types(qm.dtype, torch.float32)
+    k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
+    rates = torch.bmm(qm.to(work), sg.to(work)).to(torch.float64)  # a new tensor
+    rates.mul_(k_mass[:, None, :])
+    if not bool(torch.isfinite(rates.sum()).all()):
+        raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
+    return rates
+
+
+def _cell_owners(counts: torch.Tensor, num_groups: int, n: int):
+    """Group and query of every edge, from the per-cell counts in (group, query, b)
+    order: each query's edges are the sum of its ``k`` cells' counts."""
+    device = counts.device
+    row_counts = counts.view(num_groups * n, -1).sum(1)
+    num_edges = int(row_counts.sum())
+    group = torch.repeat_interleave(
+        torch.arange(num_groups, device=device),
+        row_counts.view(num_groups, n).sum(1),
+        output_size=num_edges,
+    )
+    query = torch.arange(n, device=device).repeat(num_groups)
+    query = query.repeat_interleave(row_counts, output_size=num_edges)
+    return group, query
+
+
+def _draw_keys(km: torch.Tensor, counts: torch.Tensor, n: int, draws: _RandomSource,
+               tuning: FastRGTuning) -> torch.Tensor:
+    """The key of every edge, ``j ~ Khat[:, b] / colsum_b(Khat)`` for its cell's ``b``.
+
+    Groups are taken in blocks (``tuning.table_block_entries`` bounds the key tables of a
+    block, :class:`_KeyTable`), and the edges of a block in steps of cells holding about
+    ``tuning.draw_block`` edges (bounded scratch)."""
+    num_groups, m, kc = km.shape
+    ends = torch.cumsum(counts, 0)  # edges of cell c are ends[c] - counts[c] .. ends[c]
+    key = torch.empty(int(ends[-1]), dtype=torch.int64, device=km.device)
+    cells_per_group = n * kc
+    groups_per_block = max(1, tuning.table_block_entries // (m * kc))
+    cells_per_step = max(kc, tuning.draw_block * counts.numel() // max(key.numel(), 1))
+    for g0 in range(0, num_groups, groups_per_block):
+        g1 = min(g0 + groups_per_block, num_groups)
+        first, stop = g0 * cells_per_group, g1 * cells_per_group
+        if int(ends[stop - 1]) == int(ends[first] - counts[first]):
+            continue  # no edge in this block: no table to build
+        table = _KeyTable(km[g0:g1], n, tuning)
+        for c0 in range(first, stop, cells_per_step):
+            c1 = min(c0 + cells_per_step, stop)
+            e0, e1 = int(ends[c0] - counts[c0]), int(ends[c1 - 1])
+            if e1 > e0:
+                base = table.cell_base[c0 - first:c1 - first].repeat_interleave(
+                    counts[c0:c1], output_size=e1 - e0)
+                key[e0:e1] = table.draw(base, draws)
+    return key
+
+
+class _KeyTable:
+    """What the key draws of one block of groups read: for rejection, the acceptance
+    probabilities ``Khat_jb / max_j Khat_jb`` (float64: the coin is compared exactly;
+    clusters without mass get 0, they are never asked for); for search, the inverse-CDF
+    table of :func:`_cdf_table`.  ``cell_base[c]`` is the offset of table row
+    ``(group - g0) k + b`` of cell ``c = (group, query, b)`` of the block.
+
+    ``tuning.key_draw == "auto"`` takes rejection unless some key cluster of the block
+    accepts fewer than ``tuning.min_acceptance`` of the proposals (mean / max)."""
+
+    def __init__(self, km_block: torch.Tensor, n: int, tuning: FastRGTuning):
+        groups, m, kc = km_block.shape
+        device = km_block.device
+        # a view of k_membership whenever the block holds one group (the size-1 dim lets
+        # reshape skip the copy): read only
+        weights = km_block.transpose(1, 2).reshape(groups * kc, m)
+        row_max = weights.amax(1).to(torch.float64)
+        used = row_max > 0
+        if tuning.key_draw == "auto":
+            acceptance = (weights.sum(1, dtype=torch.float64)[used] / m) / row_max[used]
+            search = bool(acceptance.numel()) and bool(acceptance.min() < tuning.min_acceptance)
+        else:
+            search = tuning.key_draw == "search"
+        self.width = m
+        self.accept = self.cdf = self.last = None
+        if search:
+            self.cdf, self.last = _cdf_table(weights)
+        else:
+            # out of place: for float64 input ``weights.to(float64)`` is the caller's
+            # k_membership itself, which an in-place division would scale up
+            self.accept = torch.div(
+                weights.to(torch.float64), torch.where(used, row_max, 1.0)[:, None]
+            ).reshape(-1)
+        rows = torch.arange(groups, device=device)[:, None, None] * kc
+        rows = (rows + torch.arange(kc, device=device)) * m
+        self.cell_base = rows.expand(groups, n, kc).reshape(-1)
+
+    def draw(self, base: torch.Tensor, draws: _RandomSource) -> torch.Tensor:
+        """One key per entry of ``base`` (a ``cell_base`` entry per edge)."""
+        if self.accept is not None:
+            return _rejection_draw(self.accept, self.width, base, draws)
+        return _search_rows(self.cdf, self.last, base, draws)
+
+
+def _merge_duplicates(group, query, key, num_groups, n, m):
+    """One copy of every drawn pair, sorted by ``(group, query, key)`` (radix sort)."""
+    if group.numel() <= 1:
+        return group, query, key
+    code = (group * n + query) * m + key
+    code = torch.unique_consecutive(code[stable_argsort(code, num_groups * n * m)])
+    key = code % m
+    code = torch.div(code, m, rounding_mode="floor")
+    return torch.div(code, n, rounding_mode="floor"), code % n, key
+
+
+
+class _RandomSource:
+    """Uniforms, Poisson counts and index compaction for the sampler, on one device.
+
+    On CPU with ``cpu_uniforms="numpy"`` (the default of :class:`FastRGTuning`) the
+    uniforms come from numpy's PCG64, seeded by one 63-bit draw from the caller's
+    ``torch.Generator`` (or torch's global one), so a graph stays reproducible from the
+    torch seed; here numpy's generator is about three times faster than torch's CPU
+    Mersenne Twister, and ``np.flatnonzero`` about nine times faster than
+    ``torch.nonzero``, the two costs that dominated the key draws.  Otherwise (CUDA, or
+    ``cpu_uniforms="torch"``) torch's own generator and kernels are used.
+    """
+
+    def __init__(self, device: torch.device, generator: torch.Generator | None, cpu_uniforms: str):
+        self.device, self.generator = device, generator
+        self.rng = None
+        if device.type == "cpu" and cpu_uniforms == "numpy":
+            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
+            self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def uniform(self, size: int) -> torch.Tensor:
+        """``size`` float64 uniforms in ``[0, 1)``."""
+        if self.rng is not None:
+            return torch.from_numpy(self.rng.random(size))
+        return torch.rand(size, generator=self.generator, device=self.device, dtype=torch.float64)
+
+    def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        """Indices of the true entries of a 1-D bool tensor, as int64."""
+        if self.rng is not None:
+            return torch.from_numpy(np.flatnonzero(mask.numpy()))
+        return torch.nonzero(mask).squeeze(1)
+
+    def poisson(self, rates: torch.Tensor) -> torch.Tensor:
+        """Independent ``Poisson(rates)`` counts (int64) for a 1-D float64 tensor.
+
+        torch's sampler on every device: a vectorised inversion with numpy's uniforms was
+        no faster here for the small rates fastRG's cells have."""
+        return torch.poisson(rates, generator=self.generator).to(torch.int64)
+
+
+def _append_self_loops(group, query, key, num_groups, n):
+    """Insert the edge ``(g, i, i)`` after the sampled edges of every query, keeping the
+    ``(group, query)`` order."""
+    device = group.device
+    loops = torch.arange(num_groups * n, device=device)
+    row = torch.cat([group * n + query, loops])
+    order = stable_argsort(row, num_groups * n)
+    group = torch.cat([group, torch.div(loops, n, rounding_mode="floor")])[order]
+    query = torch.cat([query, loops % n])[order]
+    key = torch.cat([key, loops % n])[order]
+    return group, query, key
+
+
+def _cdf_table(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF table of the rows of ``weights`` ``[rows, W]`` (float64): the CDF of
+    row ``r`` offset by ``r`` and flattened into one sorted array, so that one
+    ``searchsorted`` serves all rows, and the last column with positive mass per row.
+    Rows with zero total are never requested (no edge uses them) and get a uniform CDF
+    to keep the array sorted."""
+    num_rows, width = weights.shape
+    weights = weights.to(torch.float64)
+    total = weights.sum(1, keepdim=True)
+    empty = total <= 0
+    probs = torch.where(empty, 1.0 / width, weights / torch.where(empty, 1.0, total))
+    del total, empty
+    # last column with positive mass: guards against r + u rounding up to r + 1
+    last = width - 1 - (probs > 0).flip(1).to(torch.int8).argmax(1)
+    cdf = probs.cumsum_(1).clamp_(max=1.0)
+    cdf[:, -1] = 1.0
+    cdf += torch.arange(num_rows, device=weights.device, dtype=torch.float64)[:, None]
+    return cdf.reshape(-1), last
+
+
+def _search_rows(
+    table: torch.Tensor, last: torch.Tensor, base: torch.Tensor, draws: _RandomSource
+) -> torch.Tensor:
+    """Draw one column per entry of ``base`` (``row * width``) from the table of
+    :func:`_cdf_table`.
+
+    On CPU the draws are searched in sorted order (numpy narrows each search from the
+    previous one, so the table is walked once) and the answers put back in draw order:
+    several times faster here than torch's random-order search.
+    """
+    width = table.numel() // last.numel()
+    row = torch.div(base, width, rounding_mode="floor")
+    u = draws.uniform(row.numel())
+    u += row
+    if row.device.type == "cpu" and u.numel() > 1:
+        values = u.numpy()
+        order = np.argsort(values)
+        col = torch.empty(u.numel(), dtype=torch.int64)
+        col.numpy()[order] = np.searchsorted(table.numpy(), values[order], side="right")
+    else:
+        col = torch.searchsorted(table, u, right=True)
+    del u
+    col -= base
+    return torch.minimum(col, last[row])
+
+
+def _rejection_draw(
+    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource
+) -> torch.Tensor:
+    """Draw one column per entry of ``base`` by rejection from the uniform proposal.
+
+    Row ``r`` of the flat table ``accept`` (``[rows * width]``, float64) holds
+    ``weight[r, c] / max_c weight[r, c]``; ``base`` holds ``r * width`` for every draw.
+    Propose ``c`` uniformly and accept with probability ``accept[r, c]``; rejected draws
+    are proposed again, so ``Pr[c] = weight[r, c] / sum_c weight[r, c]`` exactly.  One
+    look-up per proposal and no table to search, expected ``max / mean`` proposals per
+    draw (about two for sigmoid memberships; with ``key_draw="auto"`` the caller bounds it
+    by falling back to :func:`_search_rows` for skewed rows)."""
+    out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
+    pending = None  # indices into out still to draw (None: all of them)
+    while base.numel():
+        # one float64 uniform gives the column (integer part of x) and the coin
+        # (fractional part: 53 - log2(width) random bits)
+        x = draws.uniform(base.numel())
+        x.mul_(width)
+        col = x.to(torch.int64).clamp_(max=width - 1)
+        coin = x.sub_(col)
+        rejected = draws.nonzero(coin >= accept.take(col + base))
+        del x, coin
+        # write every proposal; the rejected ones are overwritten in a later round
+        if pending is None:
+            out.copy_(col)
+            pending = rejected
+        else:
+            out.index_copy_(0, pending, col)
+            pending = pending.index_select(0, rejected)
+        base = base.index_select(0, rejected)
+    return out
+
+
+
+def _groups(q_membership, s, k_membership):
+    """Flatten one group or a batch of groups to ``[G, n, k]``, ``[G, k, k]``, ``[G, m, k]``."""
+    for name, t in (("q_membership", q_membership), ("s", s), ("k_membership", k_membership)):
+        check_tensor(name, t, floating=True)
+    qm, km = q_membership, k_membership
+    if qm.dim() == 2:
+        if km.dim() != 2 or s.dim() != 2:
+            raise ValueError(
+                f"q_membership, s, k_membership: one group needs [n, k], [k, k], [m, k], got "
+                f"{tuple(qm.shape)}, {tuple(s.shape)}, {tuple(km.shape)}"
+            )
+        batch_shape: tuple[int, ...] = ()
+        qm, sg, km = qm[None], s[None], km[None]
+    elif qm.dim() == 4:
+        if km.dim() != 4 or km.shape[:2] != qm.shape[:2]:
+            raise ValueError(
+                f"k_membership: expected [B, H, m, k] = [{qm.shape[0]}, {qm.shape[1]}, m, k], "
+                f"got {tuple(km.shape)}"
+            )
+        batch_shape = tuple(qm.shape[:2])
+        if s.dim() == 3 and s.shape[0] == qm.shape[1]:
+            sg = s.expand(qm.shape[0], *s.shape)
+        elif s.dim() == 4 and s.shape[:2] == qm.shape[:2]:
+            sg = s
+        else:
+            raise ValueError(
+                f"s: expected [H, k, k] or [B, H, k, k] with B={qm.shape[0]}, H={qm.shape[1]}, "
+                f"got {tuple(s.shape)}"
+            )
+        qm = qm.reshape(-1, *qm.shape[2:])
+        km = km.reshape(-1, *km.shape[2:])
+        sg = sg.reshape(-1, *sg.shape[2:])
+    else:
+        raise ValueError(
+            f"q_membership: expected [n, k] or [B, H, n, k], got shape {tuple(qm.shape)}"
+        )
+    kc = qm.shape[-1]
+    if kc == 0 or km.shape[-1] != kc or sg.shape[-2:] != (kc, kc):
+        raise ValueError(
+            f"q_membership, s, k_membership: cluster counts disagree or are zero: "
+            f"{tuple(q_membership.shape)}, {tuple(s.shape)}, {tuple(k_membership.shape)}"
+        )
+    if qm.shape[1] == 0 or km.shape[1] == 0:
+        raise ValueError(
+            f"q_membership, k_membership: empty sequence, got {tuple(q_membership.shape)} "
+            f"and {tuple(k_membership.shape)}"
+        )
+    if not (qm.device == sg.device == km.device):
+        raise ValueError("q_membership, s, k_membership: expected tensors on one device")
+    return qm, sg, km, batch_shape

@@ -1,0 +1,350 @@
+"""The SBM-Transformer attention layer (Cho et al., NeurIPS 2022) and its training pieces.
+
+Definition
+----------
+Each attention head owns ``k`` cluster embeddings ``C`` (``[k, d]``) and shares one MLP
+``Linear(d, d) -> ReLU -> Linear(d, d)`` between queries and keys. From them
+
+* memberships ``Qhat = sigmoid(MLP(Q) C^T)`` (``[n, k]``) and ``Khat = sigmoid(MLP(K) C^T)``
+  (``[m, k]``), nonnegative and not normalised (:func:`sbm_parameters`);
+* block connectivity ``S = softmax(vec(C C^T))`` reshaped to ``[k, k]`` (sums to one);
+* edge probabilities ``P = Qhat S Khat^T`` (``[n, m]``, every entry in ``[0, 1]``).
+
+:class:`SBMAttention` samples a bipartite graph ``A ~ P`` (:func:`companion.sbm.fastrg.
+fastrg_sample`), attends on the sampled edges only (:mod:`companion.sbm.graph_attention`)
+and back-propagates the sampling step with the straight-through estimator ``grad_P =
+hardtanh(A * grad_A)``; :func:`density_regularizer` is the density penalty of the loss.
+Time ``O(E (d + k) + (n + m) k (d + k))`` and memory ``O(E + (n + m)(d + k))`` per head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from companion._validate import check_tensor
+from companion.sbm.fastrg import DUPLICATE_POLICIES, fastrg_sample
+from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
+
+__all__ = ["sbm_parameters", "SBMAttention", "density_regularizer"]
+
+
+def sbm_parameters(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cluster_embeddings: torch.Tensor,
+    mlp: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Memberships and block matrix of the SBM attention head.
+
+    Parameters
+    ----------
+    q, k : tensor ``[n, d]`` and ``[m, d]`` (one head) or ``[B, H, n, d]`` and
+        ``[B, H, m, d]`` (a batch of heads).
+    cluster_embeddings : tensor ``[k, d]`` (shared by all heads) or ``[H, k, d]``.
+    mlp : callable mapping ``[..., d]`` to ``[..., d]``, applied to both ``q`` and ``k``
+        (the paper's shared ``Linear -> ReLU -> Linear``).
+
+    Returns
+    -------
+    q_membership : ``sigmoid(mlp(q) C^T)``, ``[n, k]`` or ``[B, H, n, k]``.
+    s : ``softmax`` over all ``k^2`` entries of ``C C^T``, ``[k, k]``, or ``[H, k, k]`` for
+        batched input.
+    k_membership : ``sigmoid(mlp(k) C^T)``, ``[m, k]`` or ``[B, H, m, k]``.
+
+    Complexity
+    ----------
+    ``O((n + m) d (d + k) + k^2 d)`` per head.
+
+    Examples
+    --------
+    >>> q, k, c = torch.randn(5, 4), torch.randn(7, 4), torch.randn(3, 4)
+    >>> qm, s, km = sbm_parameters(q, k, c, torch.nn.Identity())
+    >>> qm.shape, s.shape, km.shape, round(float(s.sum()), 6)
+    (torch.Size([5, 3]), torch.Size([3, 3]), torch.Size([7, 3]), 1.0)
+    """
+    for name, t in (("q", q), ("k", k), ("cluster_embeddings", cluster_embeddings)):
+        check_tensor(name, t, floating=True)
+    if not callable(mlp):
+        raise TypeError(f"mlp: expected a callable [..., d] -> [..., d], got {mlp!r}")
+    if q.dim() not in (2, 4) or k.dim() != q.dim():
+        raise ValueError(
+            f"q, k: expected [n, d] and [m, d] or [B, H, n, d] and [B, H, m, d], "
+            f"got shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q, k: batch dims and head size must agree, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"q, k: empty sequence, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    d = q.shape[-1]
+    c = cluster_embeddings
+    if c.dim() == 2:
+        if c.shape[-1] != d or c.shape[0] == 0:
+            raise ValueError(
+                f"cluster_embeddings: expected [k, {d}] with k >= 1, got {tuple(c.shape)}"
+            )
+    elif c.dim() == 3:
+        if q.dim() != 4 or c.shape[0] != q.shape[1] or c.shape[-1] != d or c.shape[1] == 0:
+            heads = q.shape[1] if q.dim() == 4 else "H"
+            raise ValueError(
+                f"cluster_embeddings: expected [H, k, d] = [{heads}, k, {d}] for batched q, "
+                f"got {tuple(c.shape)}"
+            )
+    else:
+        raise ValueError(f"cluster_embeddings: expected [k, d] or [H, k, d], got {tuple(c.shape)}")
+
+    ct = c.transpose(-1, -2)
+    q_membership = torch.sigmoid(mlp(q) @ ct)
+    k_membership = torch.sigmoid(mlp(k) @ ct)
+    gram = c @ ct
+    s = torch.softmax(gram.flatten(-2), dim=-1).reshape(gram.shape)
+    if q.dim() == 4 and s.dim() == 2:
+        s = s.expand(q.shape[1], *s.shape)
+    return q_membership, s, k_membership
+
+
+
+# ---------------------------------------------------------------------------------------
+# straight-through estimator and the attention head
+# ---------------------------------------------------------------------------------------
+class _StraightThroughMask(torch.autograd.Function):
+    """Forward: ones on the sampled edges.  Backward: ``grad_P = hardtanh(grad_A)`` on
+    the sampled edges, routed to ``P_e = <(Qhat S)_i, Khat_j>`` by two sparse-dense
+    products, without ever evaluating ``P``."""
+
+    @staticmethod
+    def forward(ctx, qs2, km2, graph):
+        ctx.save_for_backward(qs2, km2)
+        ctx.graph = graph
+        return torch.ones(graph.num_edges, dtype=qs2.dtype, device=qs2.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_mask):
+        qs2, km2 = ctx.saved_tensors
+        graph = ctx.graph
+        grad_p = torch.nn.functional.hardtanh(grad_mask).to(qs2.dtype)
+        grad_qs = grad_km = None
+        if ctx.needs_input_grad[0]:
+            grad_qs = graph.matrix(grad_p) @ km2
+        if ctx.needs_input_grad[1]:
+            grad_km = graph.matrix_t(grad_p) @ qs2
+        return grad_qs, grad_km, None
+
+
+class SBMAttention(nn.Module):
+    """One SBM-Transformer attention layer over ``num_heads`` heads (the full head).
+
+    Holds the cluster embeddings ``[H, k, d]`` and the shared MLP; :meth:`forward`
+    computes memberships (:func:`sbm_parameters`), samples ``A`` with
+    :func:`fastrg_sample`, attends on the sampled edges (:func:`edge_attention`) and
+    back-propagates through the sampling with the straight-through estimator: the
+    gradient ``grad_A`` on the sampled entries becomes ``grad_P = hardtanh(A * grad_A)``
+    and flows to ``P = Qhat S Khat^T``; unsampled entries get none.  ``P`` is never
+    formed: its gradient is pushed to ``Qhat S`` and ``Khat`` by sparse products.
+
+    Parameters
+    ----------
+    head_dim : head size ``d``.
+    num_heads : ``H``.
+    num_clusters : ``k`` (128 in the paper's LRA runs).
+    duplicates : forwarded to :func:`fastrg_sample`.  With ``"keep"`` (default) each copy
+        of a pair drawn ``c`` times is one edge of weight one, so that pair passes
+        ``c * hardtanh(grad_A)`` (with ``grad_A`` the gradient of its multiplicity);
+        with ``"merge"`` ``A`` is 0/1 and the rule is exactly ``hardtanh(A * grad_A)``.
+    self_loops : forwarded to :func:`fastrg_sample`; the forced loops are part of ``A``
+        and the STE passes gradient through them too.
+    device, dtype : for the parameters.
+
+    Complexity
+    ----------
+    ``O(E (d + k) + (n + m) k (d + k))`` time and ``O(E + (n + m)(d + k))`` memory per
+    head for ``E`` sampled edges; no ``n x m`` tensor is formed.
+
+    Examples
+    --------
+    >>> torch.manual_seed(0) and None
+    >>> layer = SBMAttention(head_dim=4, num_heads=2, num_clusters=3)
+    >>> q = k = v = torch.randn(1, 2, 6, 4)
+    >>> out, density = layer(q, k, v, generator=torch.Generator().manual_seed(0))
+    >>> out.shape, density.shape
+    (torch.Size([1, 2, 6, 4]), torch.Size([1, 2]))
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        num_clusters: int,
+        *,
+        duplicates: str = "keep",
+        self_loops: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        sizes = (("head_dim", head_dim), ("num_heads", num_heads), ("num_clusters", num_clusters))
+        for name, val in sizes:
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise TypeError(f"{name}: expected a positive int, got {val!r}")
+            if val < 1:
+                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+        if duplicates not in DUPLICATE_POLICIES:
+            raise ValueError(
+                f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}"
+            )
+        factory = {"device": device, "dtype": dtype}
+        self.head_dim, self.num_heads, self.num_clusters = head_dim, num_heads, num_clusters
+        self.duplicates, self.self_loops = duplicates, self_loops
+        self.cluster_embeddings = nn.Parameter(
+            torch.empty(num_heads, num_clusters, head_dim, **factory)
+        )
+        nn.init.normal_(self.cluster_embeddings, std=head_dim**-0.5)
+        self.mlp = nn.Sequential(
+            nn.Linear(head_dim, head_dim, **factory),
+            nn.ReLU(),
+            nn.Linear(head_dim, head_dim, **factory),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        query_valid: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        return_edges: bool = False,
+    ):
+        """Attend ``q`` ``[B, H, n, d]`` to ``k``/``v`` ``[B, H, m, d]`` on a sampled graph.
+
+        ``query_valid`` ``[B, n]`` and ``key_valid`` ``[B, m]`` (bool, None: all valid)
+        mark padding: its memberships are zero, so ``P_ij = 0`` wherever ``i`` or ``j``
+        is padding and no edge touches it (a forced self-loop of a padded position is
+        dropped too); padded queries get zero output rows.  Nothing per edge is
+        gathered for this: the cost stays ``O(E + (n + m) k)``.
+
+        Returns
+        -------
+        out : ``[B, H, n, d_v]``; a query with no sampled edge gets a zero row.
+        density : ``[B, H]``, realised density ``edges / (n' m')`` per head, with
+            ``n'``, ``m'`` the numbers of valid queries and keys of that batch element,
+            differentiable through the straight-through estimator (feed it to
+            :func:`density_regularizer`).
+        edges : ``(group, query, key)``, only if ``return_edges``.
+        """
+        if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"q: expected [B, {self.num_heads}, n, {self.head_dim}], got {tuple(q.shape)}"
+            )
+        q_membership, s, k_membership = sbm_parameters(q, k, self.cluster_embeddings, self.mlp)
+        valid_counts = []
+        for name, mask, length in (
+            ("query_valid", query_valid, q.shape[2]),
+            ("key_valid", key_valid, k.shape[2]),
+        ):
+            if mask is None:
+                valid_counts.append(torch.full((q.shape[0],), float(length), device=q.device))
+                continue
+            if (
+                not isinstance(mask, torch.Tensor)
+                or mask.dtype != torch.bool
+                or tuple(mask.shape) != (q.shape[0], length)
+            ):
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(
+                    f"{name}: expected a bool tensor [{q.shape[0]}, {length}], got {got}"
+                )
+            valid_counts.append(mask.sum(1).to(torch.float32))
+        if query_valid is not None:
+            q_membership = q_membership * query_valid[:, None, :, None].to(q_membership.dtype)
+        if key_valid is not None:
+            k_membership = k_membership * key_valid[:, None, :, None].to(k_membership.dtype)
+        edges = fastrg_sample(
+            q_membership.detach(),
+            s.detach(),
+            k_membership.detach(),
+            generator,
+            duplicates=self.duplicates,
+            self_loops=self.self_loops,
+        )
+        batch, heads, n = q.shape[:3]
+        m = k.shape[2]
+        num_groups = batch * heads
+        if self.self_loops and (query_valid is not None or key_valid is not None):
+            group, query, key = edges
+            element = torch.div(group, heads, rounding_mode="floor")  # batch index
+            keep = torch.ones_like(group, dtype=torch.bool)
+            if query_valid is not None:
+                keep &= query_valid.reshape(-1)[element * n + query]
+            if key_valid is not None:
+                keep &= key_valid.reshape(-1)[element * m + key]
+            edges = (group[keep], query[keep], key[keep])
+            del element, keep
+        graph = EdgeGraph(*edges, num_groups, n, m)
+        if graph.order is not None:  # the mask below is indexed in the sampler's order
+            raise RuntimeError("fastrg_sample returned edges not sorted by (group, query)")
+        qs = q_membership @ s  # [B, H, n, k]
+        mask = _StraightThroughMask.apply(
+            qs.reshape(num_groups * n, -1), k_membership.reshape(num_groups * m, -1), graph
+        )
+        if v.shape[:3] != (batch, heads, m):
+            raise ValueError(f"v: expected [{batch}, {heads}, {m}, d_v], got {tuple(v.shape)}")
+        out = attention_on_graph(
+            q.reshape(num_groups * n, -1),
+            k.reshape(num_groups * m, -1),
+            v.reshape(num_groups * m, -1),
+            graph,
+            mask,
+            1.0 / math.sqrt(self.head_dim),
+        ).reshape(batch, heads, n, -1)
+        per_group = torch.zeros(num_groups, dtype=mask.dtype, device=mask.device)
+        per_group = per_group.index_add(0, edges[0], mask)
+        pairs = (valid_counts[0] * valid_counts[1]).clamp(min=1).to(mask.dtype)  # [B]
+        density = per_group.reshape(batch, heads) / pairs[:, None]
+        if return_edges:
+            return out, density, edges
+        return out, density
+
+
+def density_regularizer(
+    densities: torch.Tensor | Iterable[torch.Tensor], lam: float = 1e-4
+) -> torch.Tensor:
+    """``lam`` times the mean realised density over layers, heads and batch.
+
+    Parameters
+    ----------
+    densities : one tensor (e.g. ``[B, H]`` from :class:`SBMAttention`) or an iterable of
+        them, one per layer.
+    lam : the weight ``lambda`` (1e-4 in the paper's LRA runs); must be >= 0.
+
+    Returns
+    -------
+    A scalar tensor, to be added to the task loss; its gradient reaches the edge
+    probabilities through the straight-through estimator.
+
+    Examples
+    --------
+    >>> float(density_regularizer([torch.tensor([[0.2, 0.4]]), torch.tensor([[0.6, 0.8]])],
+    ...                           lam=0.5))
+    0.25
+    """
+    if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not lam >= 0:
+        raise ValueError(f"lam: expected a nonnegative float, got {lam!r}")
+    if isinstance(densities, torch.Tensor):
+        parts = [densities]
+    else:
+        parts = list(densities)
+    if not parts or any(not isinstance(p, torch.Tensor) for p in parts):
+        raise TypeError("densities: expected a tensor or a non-empty iterable of tensors")
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    if flat.numel() == 0:
+        raise ValueError("densities: no entries")
+    return lam * flat.mean()
+
