@@ -1,6 +1,7 @@
 """Tests for companion.gradient_flow against independent float64 references."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -8,49 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from companion.gradient_flow import core as gf
-
-
+from companion import gradient_flow as gf
 
 # Small problems: a second intra-op thread only adds contention on a shared machine.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def reference_step(x, D, f, sigma, dW, dt, sign):
-    """Hand-written float64 loops over paths, heads, i, j: the paper's equations."""
-    P, n, d = x.shape
-    H = D.shape[1]
-    out = {k: np.zeros(P) for k in ("E", "rate", "G2", "diss", "dM")}
-    out["vel"] = np.zeros_like(x)
-    x_new = np.zeros_like(x)
-    for p in range(P):
-        U = np.zeros((H, n, n))
-        for h, i, j in itertools.product(range(H), range(n), range(n)):
-            U[h, i, j] = math.exp(x[p, i] @ D[p, h] @ x[p, j])
-        Z = U.sum(2) / n
-        vel = np.zeros((n, d))
-        grad = np.zeros((n, d))
-        for i in range(n):
-            proj = np.eye(d) - np.outer(x[p, i], x[p, i])
-            for h in range(H):
-                s = sum(U[h, i, j] * (D[p, h] @ x[p, j]) for j in range(n)) / n
-                vel[i] += sign * proj @ (s / Z[h, i]) / H
-                grad[i] += proj @ s / H  # Z_ih * (1/Z_ih) * s: the tangent gradient g_i
-        b = 1.0 / np.mean(1.0 / Z, axis=0)
-        out["vel"][p] = vel
-        out["E"][p] = U.sum() / (2 * H * n * n)
-        out["G2"][p] = np.mean(b * (vel**2).sum(1))
-        out["diss"][p] = -np.mean((grad * vel).sum(1))
-        rate = dm = 0.0
-        for h, i, j in itertools.product(range(H), range(n), range(n)):
-            xi, xj = x[p, i], x[p, j]
-            rate += U[h, i, j] * (xi @ f[p, h] @ xj + sigma**2 / 4 * (1 + (xi @ xj) ** 2))
-            dm += U[h, i, j] * (xi @ (sigma * dW[p, h]) @ xj)
-        out["rate"][p] = rate / (2 * H * n * n)
-        out["dM"][p] = dm / (2 * H * n * n)
-        y = x[p] + dt * vel
-        x_new[p] = y / np.linalg.norm(y, axis=1, keepdims=True)
-    return out, x_new
+# The paper's equations as float64 loops over paths, heads, i, j (moved into the library).
+reference_step = gf.reference_step_loops
 
 
 @pytest.mark.parametrize("sign", [-1, 1])
@@ -65,16 +31,19 @@ def test_one_step_matches_handwritten_reference(sign):
     dW = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
     q = gf.step_quantities(x, D, sign=sign, drift=f, sigma=proc.sigma, noise=dW)
     ref, x_ref = reference_step(x.numpy(), D.numpy(), f.numpy(), proc.sigma, dW.numpy(), dt, sign)
-    np.testing.assert_allclose(q["energy"].numpy(), ref["E"], rtol=1e-12)
-    np.testing.assert_allclose(q["energy_rate"].numpy(), ref["rate"], rtol=1e-11, atol=1e-13)
-    np.testing.assert_allclose(q["slope_sq"].numpy(), ref["G2"], rtol=1e-11)
-    np.testing.assert_allclose(q["dissipation"].numpy(), ref["diss"], rtol=1e-11, atol=1e-13)
-    np.testing.assert_allclose(q["martingale_increment"].numpy(), ref["dM"], rtol=1e-11,
+    np.testing.assert_allclose(q["energy"].numpy(), ref["energy"], rtol=1e-12)
+    np.testing.assert_allclose(q["energy_rate"].numpy(), ref["energy_rate"], rtol=1e-11,
                                atol=1e-13)
+    np.testing.assert_allclose(q["slope_sq"].numpy(), ref["slope_sq"], rtol=1e-11)
+    np.testing.assert_allclose(q["dissipation"].numpy(), ref["dissipation"], rtol=1e-11,
+                               atol=1e-13)
+    np.testing.assert_allclose(q["martingale_increment"].numpy(), ref["martingale_increment"],
+                               rtol=1e-11, atol=1e-13)
     # One step of simulate is the projected Euler step of the reference.
     traj = gf.simulate(x, D, gf.Frozen(), T=dt, dt=dt, sign=sign)
     np.testing.assert_allclose(traj.positions[-1].numpy(), x_ref, rtol=0, atol=1e-13)
-    np.testing.assert_allclose(gf.velocity(x, D, sign=sign).numpy(), ref["vel"], atol=1e-13)
+    np.testing.assert_allclose(gf.velocity(x, D, sign=sign).numpy(), ref["velocity"],
+                               atol=1e-13)
 
 
 # ------------------------------------------------------------------ both dtypes
@@ -124,33 +93,28 @@ def state_in(dtype, n, H, seed=11, P=2, d=3):
 KERNEL_PATHS = ("whole", "blocks", "shifted", "reference")
 
 
-def use_kernel_path(path, monkeypatch, n, H):
-    """Force one evaluation of step_quantities (or the library's plain reference).
+def use_kernel_path(path, n, H):
+    """One evaluation of step_quantities (or the library's plain reference).
 
     whole: every U^h in one block (the default at small sizes); blocks: symmetric blocks
     of 2 query rows (ragged last block for odd n); shifted: the max-shifted general path
     in row chunks of 13 logits; reference: gf.reference_step_quantities. Returns the
-    function to call.
+    function to call, with the KernelTuning that selects the path.
     """
-    if path == "blocks":
-        monkeypatch.setitem(gf._BLOCK_ELEMENTS, "cpu", 2 * n * H)
-    elif path == "shifted":
-        monkeypatch.setattr(gf, "_unshifted_exp_limit", lambda dtype, n, heads: -1.0)
-        orig = gf._softmax_moments
-        monkeypatch.setattr(gf, "_softmax_moments",  # several row chunks, odd sizes
-                            lambda q, k, v: orig(q, k, v, max_chunk_elements=13))
     if path == "reference":
         return gf.reference_step_quantities
-    return gf.step_quantities
+    tuning = {"whole": gf.KernelTuning(),
+              "blocks": gf.KernelTuning(block_elements=2 * n * H),
+              "shifted": gf.KernelTuning(exp_shift="always", shifted_chunk_elements=13)}[path]
+    return functools.partial(gf.step_quantities, tuning=tuning)
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("n, H", [(1, 1), (7, 1), (7, 3), (11, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, regime, path,
-                                                                monkeypatch):
-    step = use_kernel_path(path, monkeypatch, n, H)
+def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, regime, path):
+    step = use_kernel_path(path, n, H)
     x, D = state_in(dtype, n, H)
     P, _, d = x.shape
     dt, t, sign = 0.05, 0.7, -1
@@ -166,13 +130,12 @@ def test_step_quantities_in_both_dtypes_match_float64_reference(dtype, n, H, reg
     f64 = reference_drift(regime, D64, t)
     ref, _ = reference_step(x64, D64, f64, process.sigma, dW64, dt, sign)
     rtol = DTYPE_RTOL[dtype]
-    for key, rkey in (("energy", "E"), ("energy_rate", "rate"), ("slope_sq", "G2"),
-                      ("dissipation", "diss"), ("velocity", "vel")):
-        assert_close_scaled(q[key], ref[rkey], rtol, what=key)
+    for key in ("energy", "energy_rate", "slope_sq", "dissipation", "velocity"):
+        assert_close_scaled(q[key], ref[key], rtol, what=key)
     if dW is None:
         assert torch.all(q["martingale_increment"] == 0)
     else:
-        assert_close_scaled(q["martingale_increment"], ref["dM"], rtol,
+        assert_close_scaled(q["martingale_increment"], ref["martingale_increment"], rtol,
                             what="martingale_increment")
 
 
@@ -184,11 +147,11 @@ QUANTITIES = ("velocity", "energy", "energy_rate", "slope_sq", "dissipation",
 @pytest.mark.parametrize("P, n, H, d", [(1, 1, 1, 3), (3, 29, 1, 3), (2, 41, 9, 3),
                                         (2, 23, 5, 2), (1, 17, 3, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_fast_step_matches_the_plain_reference_step(dtype, P, n, H, d, path, monkeypatch):
+def test_fast_step_matches_the_plain_reference_step(dtype, P, n, H, d, path):
     """The kernel and the library's plain reference (dense [P, H, n, n] tensors, the
     paper's equations as printed) agree to the dtype's rounding, quantity by quantity,
     at odd sizes, one head, and d = 2, 3, 4, with drift and noise."""
-    step = use_kernel_path(path, monkeypatch, n, H)
+    step = use_kernel_path(path, n, H)
     g = torch.Generator().manual_seed(n + H)
     x = gf.uniform_sphere(n, d, g, paths=P).to(dtype)
     x = x / x.norm(dim=-1, keepdim=True)
@@ -210,8 +173,10 @@ def test_large_weights_take_the_shifted_path(dtype, monkeypatch):
     """|D| = 100 makes exp(<x, D x>) overflow float32's safe range (not float64's): the
     float32 step switches to the max-shifted path by itself and stays exact to rounding."""
     calls = []
-    orig = gf._shifted_exp_moments
-    monkeypatch.setattr(gf, "_shifted_exp_moments",
+    import companion.gradient_flow.kernels as kernels
+
+    orig = kernels._shifted_exp_moments  # a spy: counts the calls, changes nothing
+    monkeypatch.setattr(kernels, "_shifted_exp_moments",
                         lambda *a: calls.append(1) or orig(*a))
     g = torch.Generator().manual_seed(5)
     x = gf.uniform_sphere(9, 3, g, paths=2)
@@ -253,7 +218,8 @@ def test_drift_symmetric_to_rounding_is_accepted_in_both_dtypes(dtype):
     q = gf.step_quantities(x, D, drift=f)
     ref, _ = reference_step(x.double().numpy(), D.double().numpy(), f.double().numpy(), 0.0,
                             np.zeros((2, 2, 3, 3)), 0.05, -1)
-    assert_close_scaled(q["energy_rate"], ref["rate"], DTYPE_RTOL[dtype], what="energy_rate")
+    assert_close_scaled(q["energy_rate"], ref["energy_rate"], DTYPE_RTOL[dtype],
+                        what="energy_rate")
     skew = f + 0.01 * torch.triu(torch.ones_like(f), 1)
     with pytest.raises(ValueError, match="drift: expected symmetric matrices"):
         gf.step_quantities(x, D, drift=skew)
@@ -273,16 +239,17 @@ def reference_simulate(x, D, regime, sigma, noise, steps, dt, sign):
         dW = noise[k] if noise and k < steps else np.zeros_like(D)
         out, x_next = reference_step(x, D, f, sigma, dW, dt, sign)
         rec["x"].append(x)
-        for key in ("E", "rate", "G2", "diss"):
-            rec[key].append(out[key])
+        for key, out_key in (("E", "energy"), ("rate", "energy_rate"), ("G2", "slope_sq"),
+                             ("diss", "dissipation")):
+            rec[key].append(out[out_key])
         for key in acc:
             rec[key].append(acc[key].copy())
         if k == steps:
             break
-        acc["intG"] += out["G2"] * dt
-        acc["intD"] += out["diss"] * dt
-        acc["intR"] += out["rate"] * dt
-        acc["M"] += out["dM"]
+        acc["intG"] += out["slope_sq"] * dt
+        acc["intD"] += out["dissipation"] * dt
+        acc["intR"] += out["energy_rate"] * dt
+        acc["M"] += out["martingale_increment"]
         x, D = x_next, D + dt * f + sigma * dW
     out = {k: np.stack(v) for k, v in rec.items()}
     base = out["E"] - out["E"][:1] - out["intR"] - out["M"]
@@ -327,19 +294,16 @@ def test_simulate_in_both_dtypes_matches_float64_reference(dtype, n, H, regime):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_shifted_path_matches_symmetric_kernel(dtype, monkeypatch):
+def test_shifted_path_matches_symmetric_kernel(dtype):
     g = torch.Generator().manual_seed(2)
     x = gf.uniform_sphere(17, 3, g, paths=2).to(dtype)
     x = x / x.norm(dim=-1, keepdim=True)
     D = gf.initial_weights(4, 3, g, paths=2).to(dtype)
-    monkeypatch.setitem(gf._BLOCK_ELEMENTS, "cpu", 3 * 17 * 4)  # blocks of 3 rows
-    symmetric = gf.step_quantities(x, D, sigma=1.0, drift=D)
-    monkeypatch.setattr(gf, "_unshifted_exp_limit", lambda dtype, n, heads: -1.0)
+    blocks = gf.KernelTuning(block_elements=3 * 17 * 4)  # blocks of 3 rows
+    symmetric = gf.step_quantities(x, D, sigma=1.0, drift=D, tuning=blocks)
     # a small chunk budget forces several row chunks
-    orig = gf._softmax_moments
-    monkeypatch.setattr(gf, "_softmax_moments",
-                        lambda q, k, v: orig(q, k, v, max_chunk_elements=100))
-    shifted = gf.step_quantities(x, D, sigma=1.0, drift=D)
+    shifted_tuning = gf.KernelTuning(exp_shift="always", shifted_chunk_elements=100)
+    shifted = gf.step_quantities(x, D, sigma=1.0, drift=D, tuning=shifted_tuning)
     for key in QUANTITIES:
         assert_close_scaled(shifted[key], symmetric[key].double().numpy(),
                             DTYPE_RTOL[dtype], what=key)
@@ -622,12 +586,12 @@ def test_simulate_rejects_unknown_process():
 
 
 @pytest.mark.parametrize("blocks", [False, True])
-def test_results_do_not_depend_on_the_thread_count(blocks, monkeypatch):
+def test_results_do_not_depend_on_the_thread_count(blocks):
     """simulate spends the caller's threads on independent paths (one intra-op thread
     each): 1 and 2 threads give the same trajectory bit for bit, and the thread count is
     restored afterwards."""
     # blocks of 3 rows, or whole matrices in groups of 2 paths: 2 workers either way
-    monkeypatch.setitem(gf._BLOCK_ELEMENTS, "cpu", 3 * 23 * 6 if blocks else 2 * 23 * 23 * 6)
+    tuning = gf.KernelTuning(block_elements=3 * 23 * 6 if blocks else 2 * 23 * 23 * 6)
     g = torch.Generator().manual_seed(9)
     x = gf.octahedral_tokens(23, paths=5, generator=g)
     D = gf.initial_weights(6, 3, g, paths=5)
@@ -637,7 +601,8 @@ def test_results_do_not_depend_on_the_thread_count(blocks, monkeypatch):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             runs.append(gf.simulate(x, D, gf.OrnsteinUhlenbeck(), T=0.03, dt=0.01,
-                                    generator=torch.Generator().manual_seed(1)))
+                                    generator=torch.Generator().manual_seed(1),
+                                    tuning=tuning))
             assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)

@@ -1,0 +1,439 @@
+"""The fast step kernel: the softmax moments of every head and every path in a few GEMMs.
+
+:func:`step_quantities` reads the drift, energy, rates and slopes off the softmax moments
+(:math:`\\sum_j U^h_{ij}`, :math:`\\sum_j U^h_{ij} x_j` and, with noise,
+:math:`\\sum_{ij} U^h_{ij}(1 + \\langle x_i, x_j\\rangle^2)`). Because every ``D_h`` is
+symmetric, so is every ``U^h``: a block of query rows is exponentiated once against the keys
+at and after it, and the same exponentials are handed, transposed, to the later rows; a
+step costs about :math:`H n^2 / 2` exponentials per path instead of :math:`H n^2`. All heads
+of a block are one GEMM (``D_h x_i`` computed once and reused for every key), one
+vectorised ``exp2`` and two GEMMs for the moments; no ``n x n`` matrix per head is stored
+and memory is :math:`O(P H n d)` plus one cache-sized block. Weights so large that unshifted
+exponentials could overflow take a max-shifted, row-chunked path.
+
+The tuning (block sizes, chunk sizes, forcing the shifted path) is a :class:`KernelTuning`
+argument with defaults; no module state. The reference these kernels are tested against is
+:mod:`companion.gradient_flow.reference`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from companion._validate import check_choice, check_int
+from companion.gradient_flow._checks import check_step_args
+
+__all__ = ["KernelTuning", "step_quantities", "velocity"]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """How the step kernel tiles its work (results agree to rounding for any setting).
+
+    Parameters
+    ----------
+    block_elements : int or None
+        Exponentials per block of the symmetric kernel. None: ``2**19`` on CPU (a block
+        and its moments stay in one core's cache; measured best at n = 200, H = 100 on a
+        1 MiB-L2 core), ``2**25`` elsewhere (one block per group of paths: few, large
+        kernel launches).
+    shifted_chunk_elements : int
+        Logits per row chunk of the max-shifted path.
+    exp_shift : {"auto", "always"}
+        ``"auto"``: unshifted exponentials where they cannot overflow, else the
+        max-shifted path; ``"always"``: the max-shifted path whatever the weights.
+
+    >>> KernelTuning(block_elements=64).block_elements_for(torch.device("cpu"))
+    64
+    >>> KernelTuning().block_elements_for(torch.device("cpu"))
+    524288
+    """
+
+    block_elements: int | None = None
+    shifted_chunk_elements: int = 1 << 25
+    exp_shift: str = "auto"
+
+    def __post_init__(self):
+        if self.block_elements is not None:
+            check_int("block_elements", self.block_elements, 1)
+        check_int("shifted_chunk_elements", self.shifted_chunk_elements, 1)
+        check_choice("exp_shift", self.exp_shift, ("auto", "always"))
+
+    def block_elements_for(self, device: torch.device) -> int:
+        """The block size on ``device``: the field, or the per-device default."""
+        if self.block_elements is not None:
+            return self.block_elements
+        return 1 << 19 if device.type == "cpu" else 1 << 25
+
+
+DEFAULT_TUNING = KernelTuning()
+
+
+
+
+def _unshifted_exp_limit(dtype: torch.dtype, n: int, heads: int) -> float:
+    """Largest ``c`` with every ``exp(l)``, ``|l| <= c``, and every sum of ``4 n^2 H`` of
+    them representable as a normal number of ``dtype`` (no shift needed)."""
+    info = torch.finfo(dtype)
+    return min(math.log(info.max) - math.log(4.0 * n * n * heads), -math.log(info.tiny))
+
+
+class _Scratch:
+    """Scratch tensors reused by every step of one simulation.
+
+    The same memory each step: no page faults for fresh pages and caches stay warm. A
+    buffer is replaced when the shape, dtype or device asked for changes.
+    """
+
+    def __init__(self):
+        self._tensors = {}
+
+    def get(self, name: str, shape: tuple, kw: dict) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != kw["dtype"] \
+                or t.device != kw["device"]:
+            t = self._tensors[name] = torch.empty(shape, **kw)
+        return t
+
+
+def _empty(scratch: _Scratch | None, name: str, shape: tuple, kw: dict) -> torch.Tensor:
+    return torch.empty(shape, **kw) if scratch is None else scratch.get(name, shape, kw)
+
+
+def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | None = None,
+                           workers: int = 1, tuning: KernelTuning = DEFAULT_TUNING):
+    """Unnormalised softmax moments from the upper triangle of each ``U^h``, or None.
+
+    ``U^h_ij = exp(<x_i, D_h x_j>)`` is symmetric in ``(i, j)`` because ``D_h`` is, so
+    each head needs only ``n (n + 1) / 2`` exponentials. Returns ``S [P, n, d + 1, H]``
+    with ``S[p, i, 0, h] = sum_j U^h_ij`` and ``S[p, i, 1 + a, h] = sum_j U^h_ij x_ja``,
+    and (``with_ito``) ``T [P] = sum_{h, i, j} U^h_ij (1 + <x_i, x_j>^2)``. None when the
+    logits could leave the range where unshifted exponentials are exact to rounding
+    (``|<x_i, D_h x_j>| <= |D_h|_F max |x|^2`` above :func:`_unshifted_exp_limit`).
+
+    Layout: all heads of a block of query rows ``I`` are one GEMM against the keys
+    ``j >= min I`` (logits ``[j, (i, h)]``, reusing ``D_h x_i`` for every key), one
+    vectorised ``exp2`` (the weights carry ``log2 e``), one GEMM for the row sums over
+    ``j`` and one batched GEMM that hands the same exponentials, transposed, to the rows
+    ``j`` beyond the block. Per step: ``P H n (n + c) / 2`` exponentials for blocks of
+    ``c`` rows, ``O(P H n d)`` memory besides one block per worker. Paths are independent:
+    ``workers`` threads (each on one intra-op thread) take disjoint sets of paths, and every
+    path's numbers are the same whatever the number of workers.
+    """
+    P, n, d = tokens.shape
+    H = weights.shape[1]
+    bound = (weights * weights).sum((-1, -2)).amax().sqrt() * (tokens * tokens).sum(-1).amax()
+    if tuning.exp_shift == "always" or not bool(bound <= _unshifted_exp_limit(tokens.dtype,
+                                                                              n, H)):
+        return None
+    target = tuning.block_elements_for(tokens.device)
+    if P * n * n * H <= 4 * target:  # little work: whole matrices, paths in groups (fewer calls)
+        rows, group = n, max(1, min(P, target // (n * n * H)))
+        tasks = [slice(p0, min(P, p0 + group)) for p0 in range(0, P, group)]
+    else:  # blocks of rows; at least three, or symmetry saves little
+        rows, group = max(1, min(target // (n * H), -(-n // 3))), 1
+        tasks = [slice(p, p + 1) for p in range(P)]
+    workers = max(1, min(workers, len(tasks)))
+    kw = {"dtype": tokens.dtype, "device": tokens.device}
+    # queries[p, a, i, h] = log2(e) (D_h x_i)_a: computed once, read by every key block
+    scaled = (weights * _LOG2E).permute(0, 2, 3, 1)  # [P, d, d, H]
+    queries = torch.matmul(tokens.unsqueeze(1), scaled,
+                           out=_empty(scratch, "queries", (P, d, n, H), kw))
+    values_t = _empty(scratch, "values", (P, d + 1, n), kw)  # [1, x_j] per key
+    values_t[:, 0] = 1.0
+    values_t[:, 1:] = tokens.transpose(1, 2)
+    sums = _empty(scratch, "sums", (P, n, d + 1, H), kw)
+    head_sums = _empty(scratch, "head_sums", (P, n, n), kw) if with_ito else None  # [p, j, i]
+    if with_ito and rows < n:
+        head_sums.zero_()  # entries j < min I of i's block I stay 0
+
+    def whole(ps, buffer, row_buffer):
+        g = ps.stop - ps.start
+        u = buffer[:g * n * n * H].view(g, n, n * H)  # u[., j, i H + h] = U^h_ij
+        torch.bmm(tokens[ps], queries[ps].reshape(g, d, n * H), out=u).exp2_()
+        r = row_buffer[:g * (d + 1) * n * H].view(g, d + 1, n * H)
+        torch.bmm(values_t[ps], u, out=r)
+        sums[ps] = r.view(g, d + 1, n, H).transpose(1, 2)
+        if with_ito:
+            torch.sum(u.view(g, n, n, H), -1, out=head_sums[ps])
+
+    def blocks(ps, buffer, row_buffer):
+        p = ps.start
+        x_p, q_p, v_p, s_p = tokens[p], queries[p], values_t[p], sums[p]
+        for i0 in range(0, n, rows):
+            i1 = min(n, i0 + rows)
+            c, m = i1 - i0, n - i0
+            u = buffer[:m * c * H].view(m, c * H)  # u[j, i H + h] = U^h_ij, j >= i0
+            torch.mm(x_p[i0:], q_p[:, i0:i1].reshape(d, c * H), out=u).exp2_()
+            r = row_buffer[:(d + 1) * c * H].view(d + 1, c * H)
+            torch.mm(v_p[:, i0:], u, out=r)
+            r = r.view(d + 1, c, H).transpose(0, 1)
+            if i0 == 0:
+                s_p[:i1] = r
+            else:  # rows of earlier blocks have handed over their part already
+                s_p[i0:i1] += r
+            u = u.view(m, c, H)
+            if with_ito:
+                torch.sum(u, -1, out=head_sums[p, i0:, i0:i1])
+            if i1 < n:  # U^h_ji = U^h_ij: the block's exponentials serve the rows j >= i1
+                s_p[i1:].baddbmm_(v_p[:, i0:i1].expand(m - c, d + 1, c), u[c:],
+                                  beta=0.0 if i0 == 0 else 1.0)
+
+    run = whole if rows == n else blocks
+
+    def work(w):  # worker w: tasks w, w + workers, ...; its own block buffers
+        buffer = _empty(scratch, f"block{w}", (group * n * rows * H,), kw)
+        row_buffer = _empty(scratch, f"block_rows{w}", (group * (d + 1) * rows * H,), kw)
+        if workers > 1:
+            torch.set_num_threads(1)  # this thread's OpenMP and MKL settings
+        for ps in tasks[w::workers]:
+            run(ps, buffer, row_buffer)
+
+    if workers == 1:
+        work(0)
+    else:
+        for future in [worker_pool().submit(work, w) for w in range(workers)]:
+            future.result()
+    ito = None
+    if with_ito:
+        weights_ito = torch.bmm(tokens, tokens.transpose(1, 2),  # [p, j, i]: <x_j, x_i>
+                                out=_empty(scratch, "ito_weights", (P, n, n), kw))
+        weights_ito.mul_(weights_ito).add_(1.0)
+        if rows < n:  # a pair in two different blocks is computed once and counts twice
+            block = torch.arange(n, device=tokens.device) // rows
+            weights_ito.mul_(torch.where(block[:, None] == block[None, :], 1.0,
+                                         2.0).to(tokens.dtype))
+        ito = head_sums.mul_(weights_ito).sum((1, 2))  # pairwise summation
+    return sums, ito
+
+
+_POOL = None
+
+
+def worker_pool():
+    """The worker threads of :func:`_symmetric_exp_moments` (created on first use)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                   thread_name_prefix="gradient_flow")
+    return _POOL
+
+
+@contextlib.contextmanager
+def _path_workers(device: torch.device):
+    """Yield the number of path workers for a step on ``device`` and run the step's own
+    tensor operations on one intra-op thread meanwhile (restored afterwards).
+
+    A step is many small kernels: with several intra-op threads each one synchronises the
+    threads, which on a loaded 2-core machine made a step 20x slower than on one thread.
+    The caller's thread count is spent instead on independent paths, one thread each.
+    """
+    if device.type != "cpu":
+        yield 1
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield before
+    finally:
+        torch.set_num_threads(before)
+
+
+def _softmax_moments(queries, keys, values, max_chunk_elements: int):
+    """Row log-sum-exp and softmax means of ``values`` for logits ``queries @ keys^T``.
+
+    queries ``[P, L, d]``, keys ``[P, n, d]``, values ``[P, n, E]`` ->
+    (``lse [P, L]``, ``mean [P, L, E]``), shifted by each row's maximum, in row chunks
+    of at most ``max_chunk_elements`` logits. The general path of :func:`step_quantities`
+    for weights too large for :func:`_symmetric_exp_moments`.
+    """
+    P, L, d = queries.shape
+    n = keys.shape[1]
+    rows = max(1, max_chunk_elements // max(1, P * n))
+    kt = keys.transpose(-1, -2)
+    lses, means = [], []
+    for start in range(0, L, rows):  # memory tiling of the stacked rows, not a loop over heads
+        logits = torch.matmul(queries[:, start:start + rows], kt)
+        rowmax = logits.amax(-1, keepdim=True)
+        w = (logits - rowmax).exp_()
+        total = w.sum(-1, keepdim=True)
+        means.append(torch.matmul(w, values) / total)
+        lses.append((rowmax + total.log()).squeeze(-1))
+    return torch.cat(lses, 1), torch.cat(means, 1)
+
+
+def _shifted_exp_moments(tokens, weights, with_ito: bool,
+                         tuning: KernelTuning = DEFAULT_TUNING):
+    """``(S0 [P, n, H], S1 [P, n, d, H], a [P, n, d, H], T [P] or None)`` from max-shifted
+    softmax moments; ``S0 = sum_j U``, ``S1 = S0 a``, ``a`` the softmax mean of the tokens.
+    ``a`` stays finite for any weights; ``S0``, ``S1`` and ``T`` overflow where the
+    quantities themselves do."""
+    P, n, d = tokens.shape
+    H = weights.shape[1]
+    cat = weights.permute(0, 2, 1, 3).reshape(P, d, H * d)  # cat[p, a, h d + b] = D_h[a, b]
+    queries = torch.matmul(tokens, cat).view(P, n * H, d)  # rows (i, h): D_h x_i
+    if with_ito:  # values x_j and the upper triangle of x_j x_j^T: enough for the Itô term
+        iu = torch.triu_indices(d, d, device=tokens.device)
+        values = torch.cat([tokens, tokens[..., iu[0]] * tokens[..., iu[1]]], -1)
+    else:
+        values = tokens
+    lse, means = _softmax_moments(queries, tokens, values, tuning.shifted_chunk_elements)
+    s0 = lse.view(P, n, H).exp()
+    means = means.view(P, n, H, -1)
+    a = means[..., :d].permute(0, 1, 3, 2).contiguous()
+    ito = None
+    if with_ito:
+        mult = torch.where(iu[0] == iu[1], 1.0, 2.0).to(tokens.dtype)
+        xx = tokens[..., iu[0]] * tokens[..., iu[1]] * mult  # x_i^T C x_i = <xx, c>
+        xcx = (means[..., d:] * xx.unsqueeze(2)).sum(-1)
+        ito = (s0 * (1.0 + xcx)).sum((1, 2))
+    return s0, s0.unsqueeze(2) * a, a, ito
+
+
+def step_quantities(
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    sign: int = -1,
+    drift: torch.Tensor | None = None,
+    sigma: float = 0.0,
+    noise: torch.Tensor | None = None,
+    validate: bool = True,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> dict[str, torch.Tensor]:
+    """Velocity and every energy-balance quantity at one state, batched over paths.
+
+    The fast evaluation of :func:`reference_step_quantities` (same results to rounding):
+    ``P H n (n + c) / 2`` exponentials (``U^h`` is symmetric) instead of ``P H n^2``,
+    all heads of a block of ``c`` query rows in one GEMM, and every quantity read off the
+    moments ``sum_j U^h_ij``, ``sum_j U^h_ij x_j`` (and, with noise, the Itô sum
+    ``sum U^h_ij (1 + <x_i, x_j>^2)``). Weights so large that unshifted exponentials
+    could overflow take a max-shifted path instead. On CPU the torch threads are spent on
+    independent paths, one intra-op thread each (the results do not depend on the thread
+    count); the setting is restored on return.
+
+    Parameters
+    ----------
+    tokens : ``[P, n, d]`` unit vectors. weights : ``[P, H, d, d]`` symmetric.
+    sign : -1 (descent, the paper) or +1 (GLPR clustering).
+    drift : ``[P, H, d, d]`` or ``[H, d, d]`` symmetric weight drift ``f_h`` at this time,
+        or None (0).
+    sigma : noise amplitude of the weights. noise : the symmetric increment ``dW``
+        ``[P, H, d, d]`` of this step (only for the martingale increment) or None.
+    validate : check the arguments (``simulate`` checks once and passes False).
+    tuning : :class:`KernelTuning`, how the kernel tiles its work (the defaults are the
+        measured best; tests pass small blocks and chunks to reach every path).
+
+    Returns
+    -------
+    dict with ``velocity [P, n, d]`` and, per path ``[P]``: ``energy``, ``energy_rate``
+    (``dE/dt`` at fixed tokens, Itô correction included), ``slope_sq`` (harmonic-mean
+    ``G^2``), ``dissipation`` (``-(1/n) sum_i <g_i, v_i>``), ``martingale_increment``
+    (``1/(2Hn^2) sum U x_i^T (sigma dW) x_j``, 0 without noise), and ``Z [P, n, H]``
+    (token-major: row ``i`` holds the heads of token ``i``).
+
+    Complexity: ``O(P H n^2 d)`` time, ``O(P H n d)`` memory besides one cache-sized
+    block (no ``n x n`` matrix per head is stored).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> from companion import gradient_flow as gf
+    >>> x, D = gf.uniform_sphere(5, 3, g, paths=2), gf.initial_weights(3, 3, g, paths=2)
+    >>> q = step_quantities(x, D)
+    >>> r = gf.reference_step_quantities(x, D)
+    >>> bool(torch.allclose(q["velocity"], r["velocity"], rtol=1e-12, atol=1e-14))
+    True
+    """
+    if validate:
+        sign, sigma = check_step_args(tokens, weights, sign, drift, sigma, noise)
+        if not isinstance(tuning, KernelTuning):
+            raise TypeError(f"tuning: expected a KernelTuning, got {type(tuning).__name__}")
+    with _path_workers(tokens.device) as workers:
+        return _step(tokens, weights, sign, drift, sigma, noise, None, workers, tuning)
+
+
+def _step(tokens, weights, sign, drift, sigma, noise, scratch: _Scratch | None,
+          workers: int = 1, tuning: KernelTuning = DEFAULT_TUNING):
+    """:func:`step_quantities` on checked arguments, with reusable scratch tensors."""
+    P, n, d = tokens.shape
+    H = weights.shape[1]
+    with_ito = sigma > 0
+    sym = _symmetric_exp_moments(tokens, weights, with_ito, scratch, workers, tuning)
+    if sym is not None:
+        sums, ito = sym
+        s0 = sums[:, :, 0]  # [P, n, H]: n Z_ih
+        s1 = sums[:, :, 1:]  # [P, n, d, H]: n Z_ih a_ih
+        a = None  # s1 / s0, formed in place once s1 is read
+    else:
+        s0, s1, a, ito = _shifted_exp_moments(tokens, weights, with_ito, tuning)
+
+    def stack(mats):  # [P, d H, d]: row b H + h holds M_h[b, :]
+        if mats.dim() == 3:
+            mats = mats.unsqueeze(0).expand(P, -1, -1, -1)
+        return mats.permute(0, 2, 1, 3).reshape(P, d * H, d)
+
+    # sum_h M_h a_ih (M symmetric) is one contraction over (b, h): a GEMM per path.
+    weights_stacked = stack(weights)
+    mats = [weights_stacked]
+    if drift is not None:
+        mats.append(stack(drift))
+    if noise is not None and sigma > 0:
+        mats.append(stack(noise))
+    # n sum_h Z_ih M_h a_ih for M = D, f and dW in one GEMM
+    zm = torch.matmul(s1.reshape(P, n, d * H), torch.cat(mats, -1)) / n
+    sum_zm = zm[..., :d]
+    if a is None:
+        a = s1.div_(s0.unsqueeze(2))  # a_ih: softmax mean of the tokens
+    sum_m = torch.matmul(a.reshape(P, n, d * H), weights_stacked)
+    vel = (sign / H) * (sum_m - (tokens * sum_m).sum(-1, keepdim=True) * tokens)
+    ghat = (sum_zm - (tokens * sum_zm).sum(-1, keepdim=True) * tokens) / H  # (1/H) sum_h Z u
+    Z = s0 / n
+    energy = Z.sum((1, 2)) / (2 * H * n)
+    dissipation = -(ghat * vel).sum(-1).mean(-1)
+    mobility = 1.0 / (1.0 / Z).mean(-1)  # b_i: harmonic mean over heads of Z_ih
+    slope_sq = (mobility * (vel * vel).sum(-1)).mean(-1)
+    # sum_{i,h} Z_ih x_i^T M_h a_ih, M_h symmetric: [P]
+    k = 1
+    if drift is not None:
+        rate = (tokens * zm[..., k * d:(k + 1) * d]).sum((1, 2))
+        k += 1
+    else:
+        rate = torch.zeros_like(energy)
+    if with_ito:
+        rate = rate + (sigma * sigma / 4.0) * ito / n
+    energy_rate = rate / (2 * H * n)
+    if noise is not None and sigma > 0:
+        mart = sigma * (tokens * zm[..., k * d:(k + 1) * d]).sum((1, 2)) / (2 * H * n)
+    else:
+        mart = torch.zeros_like(energy)
+    return {
+        "velocity": vel,
+        "energy": energy,
+        "energy_rate": energy_rate,
+        "slope_sq": slope_sq,
+        "dissipation": dissipation,
+        "martingale_increment": mart,
+        "Z": Z,
+    }
+
+
+
+def velocity(tokens: torch.Tensor, weights: torch.Tensor, sign: int = -1) -> torch.Tensor:
+    """Right-hand side ``dx_i/dt`` of the multi-head model.
+
+    ``sign/H sum_h P_{x_i}[(1/Z_ih)(1/n) sum_j exp(<x_i, D_h x_j>) D_h x_j]`` for tokens
+    ``[paths, n, d]`` and symmetric weights ``[paths, heads, d, d]``; returns
+    ``[paths, n, d]`` (tangent to the sphere). ``sign=-1`` is the paper's descent,
+    ``+1`` the GLPR clustering dynamics.
+
+    Complexity: ``O(paths heads n^2 d)`` time, no ``n x n`` matrix stored on CPU.
+    """
+    return step_quantities(tokens, weights, sign=sign)["velocity"]
+

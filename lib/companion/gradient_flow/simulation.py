@@ -1,0 +1,374 @@
+"""Simulating the coupled token/weight dynamics: initial conditions, weight processes and
+the Euler scheme of :func:`simulate`.
+
+Tokens move by the projected explicit Euler step of the multi-head model (the fast kernel
+of :mod:`companion.gradient_flow.kernels`); the weights follow an SDE
+:math:`dD_h = f_h(D_h, t)\\,dt + \\sigma\\,dW_h` with symmetric noise
+:math:`dW = \\sqrt{dt}\\,(Z + Z^\\top)/2`, one of :class:`OrnsteinUhlenbeck`,
+:class:`Oscillating` or :class:`Frozen`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from companion._validate import check_int, check_number, check_tensor
+from companion.gradient_flow._checks import (check_positive, check_sign, check_tokens,
+                                             check_weights, factory)
+from companion.gradient_flow.kernels import KernelTuning, _path_workers, _Scratch, _step
+
+__all__ = [
+    "Frozen",
+    "OrnsteinUhlenbeck",
+    "Oscillating",
+    "Trajectory",
+    "initial_weights",
+    "octahedral_tokens",
+    "oscillating_target",
+    "simulate",
+    "uniform_sphere",
+]
+
+
+# ------------------------------------------------------------------ initial conditions
+def octahedral_tokens(
+    n: int,
+    noise: float = 0.05,
+    generator: torch.Generator | None = None,
+    *,
+    paths: int | None = None,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+) -> torch.Tensor:
+    """Tokens at the six octahedron vertices ``±e_1, ±e_2, ±e_3`` of S^2, plus noise.
+
+    Token ``i`` sits at vertex ``i mod 6`` (order ``+e1, -e1, +e2, -e2, +e3, -e3``), gets
+    i.i.d. ``N(0, noise^2)`` perturbations in each coordinate and is renormalised. This is
+    the paper's initial condition (n = 200, noise = 0.05).
+
+    Parameters
+    ----------
+    n : int >= 1, number of tokens.
+    noise : float >= 0, standard deviation of the perturbation.
+    generator : torch.Generator on ``device`` or None.
+    paths : int or None. None returns ``[n, 3]``; an int returns ``[paths, n, 3]`` with
+        independent noise per path.
+    dtype, device : of the result (float64, "cpu" by default).
+
+    Returns
+    -------
+    Tensor ``[n, 3]`` or ``[paths, n, 3]`` of unit vectors. Complexity O(paths n).
+    """
+    n = check_int("n", n, 1)
+    noise = check_number("noise", noise, minimum=0.0)
+    batch = () if paths is None else (check_int("paths", paths, 1),)
+    kw = factory(dtype, device)
+    vertices = torch.cat([torch.eye(3, **kw), -torch.eye(3, **kw)], 0)[[0, 3, 1, 4, 2, 5]]
+    x = vertices[torch.arange(n, device=kw["device"]) % 6].expand(*batch, n, 3)
+    x = x + noise * torch.randn(*batch, n, 3, generator=generator, **kw)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def uniform_sphere(
+    n: int,
+    d: int,
+    generator: torch.Generator | None = None,
+    *,
+    paths: int | None = None,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+) -> torch.Tensor:
+    """``n`` i.i.d. uniform points on S^{d-1} (normalised Gaussians).
+
+    Returns ``[n, d]`` (``paths=None``) or ``[paths, n, d]``. Complexity O(paths n d).
+    """
+    n = check_int("n", n, 1)
+    d = check_int("d", d, 2)
+    batch = () if paths is None else (check_int("paths", paths, 1),)
+    x = torch.randn(*batch, n, d, generator=generator, **factory(dtype, device))
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def initial_weights(
+    heads: int,
+    d: int,
+    generator: torch.Generator | None = None,
+    *,
+    paths: int = 1,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+) -> torch.Tensor:
+    """The paper's initial head matrices ``D_h(0) = Z + Z^T``, ``Z`` i.i.d. N(0, 1).
+
+    Returns ``[paths, heads, d, d]`` symmetric matrices, independent over paths and heads.
+    """
+    heads = check_int("heads", heads, 1)
+    d = check_int("d", d, 2)
+    paths = check_int("paths", paths, 1)
+    z = torch.randn(paths, heads, d, d, generator=generator, **factory(dtype, device))
+    return z + z.transpose(-1, -2)
+
+
+# -------------------------------------------------------------------- weight processes
+def oscillating_target(t: torch.Tensor, d: int) -> torch.Tensor:
+    """The paper's non-integrable target ``F(t)`` (d = 2 or 3), batched over ``t``.
+
+    d = 3: ``[[2+1.5 cos t, sin 2t, sin t], [sin 2t, 2+1.5 sin t, cos 2t],
+    [sin t, cos 2t, 2+1.5 cos(t+pi/4)]]``; d = 2: ``[[2+1.5 cos t, sin 2t],
+    [sin 2t, 2-1.5 cos t]]``. Returns ``t.shape + (d, d)``.
+    """
+    check_tensor("t", t, floating=True)
+    d = check_int("d", d, minimum=2, maximum=3)
+    if d == 3:
+        c, s = torch.cos, torch.sin
+        rows = [
+            [2 + 1.5 * c(t), s(2 * t), s(t)],
+            [s(2 * t), 2 + 1.5 * s(t), c(2 * t)],
+            [s(t), c(2 * t), 2 + 1.5 * c(t + math.pi / 4)],
+        ]
+    elif d == 2:
+        rows = [
+            [2 + 1.5 * torch.cos(t), torch.sin(2 * t)],
+            [torch.sin(2 * t), 2 - 1.5 * torch.cos(t)],
+        ]
+    else:
+        raise ValueError(f"d: the oscillating target is defined for d in (2, 3), got d = {d}")
+    return torch.stack([torch.stack(r, -1) for r in rows], -2)
+
+
+@dataclass(frozen=True)
+class OrnsteinUhlenbeck:
+    """Integrable regime: ``dD = (I - D) dt + sigma dW``; stationary law ``I + sigma S/sqrt 2``.
+
+    ``sigma2`` is the noise variance ``sigma^2`` (the paper uses 2, stationary law
+    ``I + (Z + Z^T)/2``).
+    """
+
+    sigma2: float = 2.0
+
+    def __post_init__(self):
+        if isinstance(self.sigma2, bool) or not isinstance(self.sigma2, (int, float)):
+            raise TypeError(f"sigma2: expected a float >= 0, got {self.sigma2!r}")
+        if self.sigma2 < 0 or not math.isfinite(self.sigma2):
+            raise ValueError(f"sigma2: expected a finite float >= 0, got {self.sigma2}")
+
+    @property
+    def sigma(self) -> float:
+        return math.sqrt(self.sigma2)
+
+    def drift(self, weights: torch.Tensor, t: float) -> torch.Tensor:
+        eye = torch.eye(weights.shape[-1], dtype=weights.dtype, device=weights.device)
+        return eye - weights
+
+
+@dataclass(frozen=True)
+class Oscillating:
+    """Non-integrable regime: ``dD_h = (F(t + phi_h) - D_h) dt``, no noise.
+
+    ``phases="identical"``: every head follows the same target ``F(t)`` (the paper's
+    regime). ``phases="spread"``: head ``h`` follows ``F(t + 2 pi h / H)``; averaged over
+    heads the oscillations cancel (the pitfall: the slope decays like 1/H again).
+    """
+
+    phases: str = "identical"
+
+    def __post_init__(self):
+        if self.phases not in ("identical", "spread"):
+            raise ValueError(f"phases: expected 'identical' or 'spread', got {self.phases!r}")
+
+    sigma: float = field(default=0.0, init=False)
+
+    def drift(self, weights: torch.Tensor, t: float) -> torch.Tensor:
+        heads, d = weights.shape[1], weights.shape[-1]
+        tt = torch.full((heads,), float(t), dtype=weights.dtype, device=weights.device)
+        if self.phases == "spread":
+            tt = tt + 2 * math.pi * torch.arange(heads, dtype=weights.dtype,
+                                                 device=weights.device) / heads
+        return oscillating_target(tt, d).unsqueeze(0) - weights
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """Weights held fixed: ``dD = 0``."""
+
+    sigma: float = field(default=0.0, init=False)
+
+    def drift(self, weights: torch.Tensor, t: float) -> None:
+        return None
+
+
+_PROCESSES = (OrnsteinUhlenbeck, Oscillating, Frozen)
+
+# --------------------------------------------------------------------------- simulate
+@dataclass
+class Trajectory:
+    """Recorded quantities of :func:`simulate`; record axis first, then paths.
+
+    times ``[R]``; positions ``[R, P, n, d]`` (None when not recorded); weights
+    ``[R, P, H, d, d]`` (None unless ``record_weights``); per record and path ``[R, P]``:
+    ``energy`` E, ``energy_rate`` (``dE/dt`` at fixed x), ``slope_sq`` (G^2, harmonic-mean
+    mobility), ``dissipation`` (true), the cumulative integrals ``int_slope_sq``,
+    ``int_dissipation``, ``int_energy_rate`` (left-point rule over every step),
+    ``martingale`` (cumulative M_t), and the residuals
+    ``residual_slope = dE - sign int G^2 - int dE/dt - M`` and
+    ``residual_dissipation = dE + int D - int dE/dt - M``. ``final_weights [P, H, d, d]``.
+    """
+
+    times: torch.Tensor
+    positions: torch.Tensor | None
+    weights: torch.Tensor | None
+    energy: torch.Tensor
+    energy_rate: torch.Tensor
+    slope_sq: torch.Tensor
+    dissipation: torch.Tensor
+    int_slope_sq: torch.Tensor
+    int_dissipation: torch.Tensor
+    int_energy_rate: torch.Tensor
+    martingale: torch.Tensor
+    residual_slope: torch.Tensor
+    residual_dissipation: torch.Tensor
+    final_tokens: torch.Tensor
+    final_weights: torch.Tensor
+    dt: float
+    sign: int
+
+    @property
+    def energy_change(self) -> torch.Tensor:
+        """``E(t) - E(0)`` per record and path."""
+        return self.energy - self.energy[:1]
+
+
+def simulate(
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    process,
+    *,
+    T: float,
+    dt: float,
+    record_every: int = 1,
+    sign: int = -1,
+    generator: torch.Generator | None = None,
+    record_positions: bool = True,
+    record_weights: bool = False,
+    progress: bool = False,
+    tuning: KernelTuning | None = None,
+) -> Trajectory:
+    """Integrate the coupled token/weight dynamics and record the energy balance.
+
+    Projected explicit Euler on the sphere, ``x <- (x + dt v) / |x + dt v|``, and
+    Euler–Maruyama for the weights, ``D <- D + f(D, t) dt + sigma dW`` with
+    ``dW = sqrt(dt) (Z + Z^T)/2``, both from the state at ``t_k``. The integrals in the
+    energy balance use the left-point rule at every step (so they are consistent with the
+    scheme to first order in ``dt``); records are taken at steps ``0, k, 2k, ...`` and at
+    the last step.
+
+    Parameters
+    ----------
+    tokens : ``[paths, n, d]`` unit vectors (d >= 2).
+    weights : ``[paths, heads, d, d]`` symmetric, same dtype/device as ``tokens``.
+    process : :class:`OrnsteinUhlenbeck`, :class:`Oscillating` or :class:`Frozen`.
+    T, dt : horizon and step (> 0); ``round(T/dt)`` steps.
+    record_every : int >= 1. sign : -1 (descent) or +1 (clustering).
+    generator : torch.Generator for the weight noise (on the tokens' device) or None.
+    record_positions, record_weights : store positions / weights at records.
+    progress : show a tqdm bar.
+    tuning : :class:`KernelTuning` of the step kernel, or None (the defaults).
+
+    Returns
+    -------
+    :class:`Trajectory`.
+
+    Complexity: ``round(T/dt)`` steps of ``O(P H n^2 d)`` time each; memory
+    ``O(P H n d)`` per step (scratch tensors reused by every step) plus the records. On CPU
+    the steps run with the torch threads spent on independent paths, as in
+    :func:`step_quantities`.
+    """
+    tokens = check_tokens(tokens)
+    weights = check_weights(weights, tokens)
+    if tuning is None:
+        tuning = KernelTuning()
+    elif not isinstance(tuning, KernelTuning):
+        raise TypeError(f"tuning: expected a KernelTuning or None, got {type(tuning).__name__}")
+    if not isinstance(process, _PROCESSES):
+        raise TypeError(
+            "process: expected OrnsteinUhlenbeck, Oscillating or Frozen, "
+            f"got {type(process).__name__}"
+        )
+    T = check_positive("T", T)
+    dt = check_positive("dt", dt)
+    record_every = check_int("record_every", record_every, 1)
+    sign = check_sign(sign)
+    if isinstance(process, Oscillating) and tokens.shape[-1] not in (2, 3):
+        raise ValueError(
+            f"process: Oscillating is defined for d in (2, 3), got d = {tokens.shape[-1]}"
+        )
+    steps = max(1, round(T / dt))
+    sigma = float(process.sigma)
+    P, _n, d = tokens.shape
+    H = weights.shape[1]
+    x, D = tokens.clone(), weights.clone()
+    kw = {"dtype": x.dtype, "device": x.device}
+    # Running left-point integrals over the steps so far, named as the Trajectory fields:
+    # int G^2 dt, int D dt (the dissipation), int dE/dt dt, and the martingale M_t.
+    integrals = {k: torch.zeros(P, **kw) for k in ("int_slope_sq", "int_dissipation",
+                                                    "int_energy_rate", "martingale")}
+    instantaneous = ("energy", "energy_rate", "slope_sq", "dissipation")
+    rec = {k: [] for k in (*instantaneous, *integrals)}
+    times, pos, wts = [], [], []
+    record_at = set(range(0, steps + 1, record_every)) | {steps}
+    scratch = _Scratch()
+    iterator = range(steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(iterator, desc=f"simulate H={H}", leave=False)
+    with _path_workers(x.device) as workers:
+        for k in iterator:
+            t = k * dt
+            last = k == steps
+            drift = process.drift(D, t)
+            noise = None
+            if not last and sigma > 0:
+                z = torch.randn(P, H, d, d, generator=generator, **kw)
+                noise = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
+            q = _step(x, D, sign, drift, sigma, noise, scratch, workers, tuning)
+            if k in record_at:
+                times.append(t)
+                for key in instantaneous:
+                    rec[key].append(q[key].clone())
+                for key, integral in integrals.items():
+                    rec[key].append(integral.clone())
+                if record_positions:
+                    pos.append(x.clone())
+                if record_weights:
+                    wts.append(D.clone())
+            if last:
+                break
+            integrals["int_slope_sq"] += q["slope_sq"] * dt
+            integrals["int_dissipation"] += q["dissipation"] * dt
+            integrals["int_energy_rate"] += q["energy_rate"] * dt
+            integrals["martingale"] += q["martingale_increment"]
+            x = x + dt * q["velocity"]
+            x = x / x.norm(dim=-1, keepdim=True)
+            if drift is not None:
+                D = D + dt * drift
+            if noise is not None:
+                D = D + sigma * noise
+    out = {k: torch.stack(v) for k, v in rec.items()}
+    dE = out["energy"] - out["energy"][:1]
+    base = dE - out["int_energy_rate"] - out["martingale"]
+    return Trajectory(
+        times=torch.tensor(times, **kw),
+        positions=torch.stack(pos) if record_positions else None,
+        weights=torch.stack(wts) if record_weights else None,
+        residual_slope=base - sign * out["int_slope_sq"],
+        residual_dissipation=base + out["int_dissipation"],
+        final_tokens=x,
+        final_weights=D,
+        dt=dt,
+        sign=sign,
+        **out,
+    )
+
