@@ -3,6 +3,8 @@ test records, bootstrap intervals, FLOP counts and peak-memory measurement.
 
 Definition
 ----------
+- :func:`compare_attentions` is the chapter's training: every task with dense and SBM
+  attention over the same seeds, and a sweep of the density penalty (via :func:`run_jobs`).
 - :func:`run_jobs` trains one :class:`~companion.lra.model.LRAClassifier` per
   :class:`TrainJob` (a task, an attention, a seed, a density penalty) with
   :func:`companion.lra.train.train`, in worker processes when several CPUs are free
@@ -35,8 +37,9 @@ from companion._validate import check_int
 from companion.lra.model import LRAClassifier
 from companion.lra.train import TrainConfig, TrainResult, train
 
-__all__ = ["TrainJob", "RunRecord", "run_jobs", "ddp_jobs", "per_item", "bootstrap", "model_flops",
-           "peak_memory", "loglog_slope", "poisson_dispersion", "spearman"]
+__all__ = ["TrainJob", "RunRecord", "run_jobs", "compare_attentions", "Comparison", "ddp_jobs",
+           "per_item", "bootstrap", "model_flops", "peak_memory", "loglog_slope",
+           "poisson_dispersion", "spearman"]
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,87 @@ def run_jobs(jobs, data: dict, *, device, workers: int | None = None,
             model.eval()
             out[job.key] = RunRecord(model, result, correct, nll, dens, sec)
     return {job.key: out[job.key] for job in jobs}
+
+
+# ------------------------------------------------------------ the chapter's training
+ATTENTIONS = ("dense", "sbm")
+
+
+@dataclass
+class Comparison:
+    """The runs of :func:`compare_attentions`: ``records`` maps ``(task, attention,
+    seed, lam)`` to its :class:`RunRecord`; ``seconds`` is the wall time of all of them,
+    ``workers`` the worker processes they ran in."""
+
+    records: dict
+    seeds: list
+    lam: float
+    seconds: float
+    workers: int
+
+    def runs(self, task: str, attention: str) -> list:
+        """The :class:`RunRecord` of every seed of the main runs (penalty ``lam``)."""
+        return [self.records[task, attention, s, self.lam] for s in self.seeds]
+
+
+def compare_attentions(tasks: dict, *, seeds, lam: float, sweep_task: str, sweep_lambdas,
+                       steps: dict, clusters: int, batch: int, lr: dict, dropout: dict,
+                       device, workers: int | None = None,
+                       progress: bool = False) -> Comparison:
+    """Train every task with dense and with SBM attention from the same seeds, and the SBM
+    model of ``sweep_task`` at every other density penalty (first seed only).
+
+    Parameters
+    ----------
+    tasks : ``{task: (splits, vocab, classes, pad)}``, ``splits`` the ``[(train), (dev),
+        (test)]`` pairs of ``(tokens, labels)`` on ``device``, ``pad`` the padding token
+        (None: no padding).
+    seeds : training seeds of the main runs (the data stay fixed).
+    lam : the density penalty of the main runs.
+    sweep_task, sweep_lambdas : the task and penalties of the lambda sweep (``lam`` among
+        them is the main runs' and not trained twice).
+    steps, lr, dropout : per task; clusters, batch : the same for every task.
+    device, workers, progress : as for :func:`run_jobs`.
+
+    Returns
+    -------
+    :class:`Comparison`.
+
+    Examples
+    --------
+    >>> tokens, labels = torch.randint(1, 5, (8, 6)), torch.arange(8) % 2
+    >>> data = {"toy": ([(tokens, labels)] * 3, 5, 2, None)}
+    >>> one = {"toy": 1}
+    >>> runs = compare_attentions(data, seeds=[0], lam=0.0, sweep_task="toy",
+    ...                           sweep_lambdas=[0.0, 0.5], steps=one, clusters=2, batch=4,
+    ...                           lr={"toy": 1e-3}, dropout={"toy": 0.0}, device="cpu",
+    ...                           workers=1)
+    >>> sorted(runs.records)
+    [('toy', 'dense', 0, 0.0), ('toy', 'sbm', 0, 0.0), ('toy', 'sbm', 0, 0.5)]
+    """
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds: expected at least one training seed")
+    if sweep_task not in tasks:
+        raise ValueError(f"sweep_task: expected one of {sorted(tasks)}, got {sweep_task!r}")
+
+    def job(task, attention, seed, lam_value):
+        _, vocab, classes, pad = tasks[task]
+        return TrainJob(task=task, attention=attention, seed=seed, lam=lam_value,
+                        steps=steps[task], vocab=vocab, classes=classes, pad=pad,
+                        clusters=clusters, dropout=dropout[task], lr=lr[task], batch=batch)
+
+    jobs = [job(task, attention, s, lam) for task in tasks for attention in ATTENTIONS
+            for s in seeds]
+    jobs += [job(sweep_task, "sbm", seeds[0], value) for value in sweep_lambdas
+             if value != lam]
+    device = torch.device(device)
+    if workers is None:
+        workers = 1 if device.type != "cpu" else default_workers(len(jobs))
+    started = time.perf_counter()
+    records = run_jobs(jobs, {task: spec[0] for task, spec in tasks.items()}, device=device,
+                       workers=workers, progress=progress)
+    return Comparison(records, seeds, lam, time.perf_counter() - started, workers)
 
 
 # ------------------------------------------------------------------------- statistics

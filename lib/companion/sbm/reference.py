@@ -94,6 +94,16 @@ def dense_masked_attention(
     tensor([[1., 0.],
             [0., 0.]])
     """
+    scale = _check_dense_inputs(q, k, v, mask, scale)
+    attn = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
+    attn = attn * mask.to(attn.dtype)
+    total = attn.sum(-1, keepdim=True)
+    attn = attn / torch.where(total > 0, total, torch.ones_like(total))
+    return attn @ v
+
+
+def _check_dense_inputs(q, k, v, mask, scale) -> float:
+    """Validate :func:`dense_masked_attention`'s arguments; return the score scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point torch.Tensor")
@@ -113,8 +123,4 @@ def dense_masked_attention(
         raise ValueError(f"mask: expected shape [..., {n}, {m}], got {tuple(mask.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    attn = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
-    attn = attn * mask.to(attn.dtype)
-    total = attn.sum(-1, keepdim=True)
-    attn = attn / torch.where(total > 0, total, torch.ones_like(total))
-    return attn @ v
+    return scale
