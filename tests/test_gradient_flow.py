@@ -609,3 +609,50 @@ def test_results_do_not_depend_on_the_thread_count(blocks):
     for key in ("positions", "energy", "energy_rate", "slope_sq", "dissipation",
                 "martingale", "final_weights"):
         assert torch.equal(getattr(runs[0], key), getattr(runs[1], key)), key
+
+
+def test_simulate_many_on_two_processes_equals_one_simulate_per_run():
+    """Runs cut into pieces of paths on 2 worker processes: the trajectories of one
+    simulate call per run bit for bit (noise drawn for all paths, each piece keeping its
+    rows; the run's layout, whole matrices or row blocks, kept by every piece), and every
+    generator left in the serial run's state."""
+    g = torch.Generator().manual_seed(21)
+    runs = []
+    for n, H, P, process, tuning in [
+            (23, 6, 5, gf.OrnsteinUhlenbeck(), gf.KernelTuning(block_elements=3 * 23 * 6)),
+            # row blocks for the 5 paths of the run, whole matrices for a piece alone
+            (13, 4, 5, gf.OrnsteinUhlenbeck(), gf.KernelTuning(block_elements=13 * 13 * 4)),
+            (9, 1, 3, gf.Oscillating(), None)]:
+        runs.append(dict(tokens=gf.octahedral_tokens(n, paths=P, generator=g),
+                         weights=gf.initial_weights(H, 3, g, paths=P), process=process,
+                         T=0.04, dt=0.01, record_every=3, tuning=tuning,
+                         record_weights=True))
+    serial_gens = [torch.Generator().manual_seed(i) for i in range(len(runs))]
+    parallel_gens = [torch.Generator().manual_seed(i) for i in range(len(runs))]
+    serial = [gf.simulate(**run, generator=gen) for run, gen in zip(runs, serial_gens)]
+    parallel = gf.simulate_many([{**run, "generator": gen}
+                                 for run, gen in zip(runs, parallel_gens)], workers=2)
+    for a, b, ga, gb in zip(serial, parallel, serial_gens, parallel_gens):
+        for key in TRAJECTORY_FIELDS:
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
+        assert torch.equal(ga.get_state(), gb.get_state())
+
+
+TRAJECTORY_FIELDS = ("times", "positions", "weights", "energy", "energy_rate", "slope_sq",
+                     "dissipation", "int_slope_sq", "int_dissipation", "int_energy_rate",
+                     "martingale", "residual_slope", "residual_dissipation", "final_tokens",
+                     "final_weights")
+
+
+def test_simulate_many_rejects_bad_runs():
+    x = gf.uniform_sphere(5, 3, paths=1)
+    D = gf.initial_weights(2, 3, paths=1)
+    with pytest.raises(TypeError, match=r"runs\[0\]"):
+        gf.simulate_many([(x, D)], workers=2)
+    with pytest.raises(ValueError, match=r"runs\[0\]: unknown"):
+        gf.simulate_many([dict(tokens=x, weights=D, process=gf.Frozen(), T=1, dt=0.1,
+                               steps=3)], workers=2)
+    with pytest.raises(ValueError, match=r"runs\[0\]: missing"):
+        gf.simulate_many([dict(tokens=x, weights=D, process=gf.Frozen(), T=1)], workers=2)
+    with pytest.raises(ValueError, match="workers"):
+        gf.simulate_many([], workers=0)

@@ -61,7 +61,7 @@ from companion.gradient_flow.reference import reference_step_loops, reference_st
 from companion.gradient_flow.simulation import (Frozen, OrnsteinUhlenbeck, Oscillating,
                                                 Trajectory, initial_weights,
                                                 octahedral_tokens, oscillating_target,
-                                                simulate, uniform_sphere)
+                                                simulate, simulate_many, uniform_sphere)
 
 __all__ = [
     "Frozen",
@@ -83,6 +83,7 @@ __all__ = [
     "reference_step_loops",
     "reference_step_quantities",
     "simulate",
+    "simulate_many",
     "spectral_norms",
     "step_quantities",
     "uniform_sphere",

@@ -48,6 +48,10 @@ class KernelTuning:
     exp_shift : {"auto", "always"}
         ``"auto"``: unshifted exponentials where they cannot overflow, else the
         max-shifted path; ``"always"``: the max-shifted path whatever the weights.
+    plan_paths : int or None
+        Choose between whole matrices and row blocks as for this many paths (None: the
+        paths given). A piece of a run (:func:`~companion.gradient_flow.simulate_many`)
+        passes its run's number, so that it takes the run's layout and rounding.
 
     >>> KernelTuning(block_elements=64).block_elements_for(torch.device("cpu"))
     64
@@ -58,12 +62,15 @@ class KernelTuning:
     block_elements: int | None = None
     shifted_chunk_elements: int = 1 << 25
     exp_shift: str = "auto"
+    plan_paths: int | None = None
 
     def __post_init__(self):
         if self.block_elements is not None:
             check_int("block_elements", self.block_elements, 1)
         check_int("shifted_chunk_elements", self.shifted_chunk_elements, 1)
         check_choice("exp_shift", self.exp_shift, ("auto", "always"))
+        if self.plan_paths is not None:
+            check_int("plan_paths", self.plan_paths, 1)
 
     def block_elements_for(self, device: torch.device) -> int:
         """The block size on ``device``: the field, or the per-device default."""
@@ -133,7 +140,9 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
                                                                               n, H)):
         return None
     target = tuning.block_elements_for(tokens.device)
-    if P * n * n * H <= 4 * target:  # little work: whole matrices, paths in groups (fewer calls)
+    planned = P if tuning.plan_paths is None else tuning.plan_paths
+    # little work: whole matrices, paths in groups (fewer calls)
+    if planned * n * n * H <= 4 * target:
         rows, group = n, max(1, min(P, target // (n * n * H)))
         tasks = [slice(p0, min(P, p0 + group)) for p0 in range(0, P, group)]
     else:  # blocks of rows; at least three, or symmetry saves little

@@ -9,6 +9,7 @@ of :mod:`companion.gradient_flow.kernels`); the weights follow an SDE
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ __all__ = [
     "octahedral_tokens",
     "oscillating_target",
     "simulate",
+    "simulate_many",
     "uniform_sphere",
 ]
 
@@ -304,9 +306,26 @@ def simulate(
         raise ValueError(
             f"process: Oscillating is defined for d in (2, 3), got d = {tokens.shape[-1]}"
         )
+    return _integrate(tokens, weights, process, T=T, dt=dt, record_every=record_every,
+                      sign=sign, generator=generator, record_positions=record_positions,
+                      record_weights=record_weights, progress=progress, tuning=tuning)
+
+
+def _integrate(tokens, weights, process, *, T, dt, record_every, sign, generator,
+               record_positions, record_weights, progress, tuning,
+               noise_rows: tuple[int, int, int] | None = None) -> Trajectory:
+    """:func:`simulate` on checked arguments.
+
+    ``noise_rows = (start, stop, total)``: these tokens and weights are the paths
+    ``start:stop`` of a run of ``total`` paths; each step draws the noise of all ``total``
+    paths (the same draws as the whole run) and uses its rows ``start:stop``, so that the
+    paths come out as they do in the whole run (:func:`simulate_many`).
+    """
     steps = max(1, round(T / dt))
     sigma = float(process.sigma)
     P, _n, d = tokens.shape
+    rows = slice(0, P) if noise_rows is None else slice(noise_rows[0], noise_rows[1])
+    drawn = P if noise_rows is None else noise_rows[2]
     H = weights.shape[1]
     x, D = tokens.clone(), weights.clone()
     kw = {"dtype": x.dtype, "device": x.device}
@@ -331,7 +350,7 @@ def simulate(
             drift = process.drift(D, t)
             noise = None
             if not last and sigma > 0:
-                z = torch.randn(P, H, d, d, generator=generator, **kw)
+                z = torch.randn(drawn, H, d, d, generator=generator, **kw)[rows]
                 noise = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
             q = _step(x, D, sign, drift, sigma, noise, scratch, workers, tuning)
             if k in record_at:
@@ -372,3 +391,133 @@ def simulate(
         **out,
     )
 
+
+
+# ------------------------------------------------------------- several runs at once
+_RUN_KEYS = ("tokens", "weights", "process", "T", "dt", "record_every", "sign",
+             "generator", "record_positions", "record_weights", "tuning")
+
+
+def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
+    """Several independent :func:`simulate` runs, shared among worker processes.
+
+    Every run is cut into ``workers`` pieces of consecutive paths, and the pieces of all
+    runs are handed, largest first, to ``workers`` processes with one torch thread each.
+    A piece draws the weight noise of all its run's paths at every step and keeps its own
+    rows, so each path sees the draws of the whole run; as a step treats every path on its
+    own, the trajectories are those of ``[simulate(**run) for run in runs]`` bit for bit
+    (unless a step of some piece needs the max-shifted exponentials and its run's other
+    pieces do not: then equal to rounding). Each run's ``generator`` ends in the state the
+    serial run leaves it in.
+
+    Parameters
+    ----------
+    runs : sequence of dicts, each the keyword arguments of :func:`simulate`
+        (``tokens``, ``weights``, ``process``, ``T``, ``dt`` and any of
+        ``record_every``, ``sign``, ``generator``, ``record_positions``,
+        ``record_weights``, ``tuning``).
+    workers : int >= 1 or None (the number of torch threads). With 1 worker, or tokens
+        off the CPU, the runs are simulated here one after the other.
+
+    Returns
+    -------
+    list of :class:`Trajectory`, one per run, in order. Time: about the runs' total
+    ``P H n^2 steps`` shared by the workers, plus starting them (seconds).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> run = dict(tokens=uniform_sphere(6, 3, g, paths=2), weights=initial_weights(2, 3, g,
+    ...            paths=2), process=Frozen(), T=0.1, dt=0.05)
+    >>> [t.energy.shape for t in simulate_many([run, run], workers=1)]
+    [torch.Size([3, 2]), torch.Size([3, 2])]
+    """
+    runs = list(runs)
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict):
+            raise TypeError(f"runs[{i}]: expected a dict of simulate's arguments, got "
+                            f"{type(run).__name__}")
+        unknown = set(run) - set(_RUN_KEYS)
+        if unknown:
+            raise ValueError(f"runs[{i}]: unknown simulate arguments {sorted(unknown)}")
+    workers = torch.get_num_threads() if workers is None else check_int("workers", workers, 1)
+    on_cpu = all(torch.as_tensor(run.get("tokens")).device.type == "cpu" for run in runs)
+    if workers == 1 or not on_cpu or not runs:
+        return [simulate(**run) for run in runs]
+    checked = [_checked_run(i, run) for i, run in enumerate(runs)]
+    pieces = []  # (cost, run index, start, stop)
+    for r, run in enumerate(checked):
+        P, n, _ = run["tokens"].shape
+        H = run["weights"].shape[1]
+        steps = max(1, round(run["T"] / run["dt"]))
+        bounds = [round(k * P / workers) for k in range(min(workers, P) + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            pieces.append(((b - a) * H * n * n * steps, r, a, b))
+    pieces.sort(key=lambda piece: -piece[0])
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(pieces)),
+                             mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        futures = {(r, a): pool.submit(_simulate_piece, checked[r], a, b)
+                   for _, r, a, b in pieces}
+        done = {key: future.result() for key, future in futures.items()}
+    out = []
+    for r, run in enumerate(checked):
+        parts = sorted((a, part) for (rr, a), part in done.items() if rr == r)
+        trajectories = [part[0] for _, part in parts]
+        generator = runs[r].get("generator")
+        if generator is not None:  # as the serial run leaves it (every piece drew the same)
+            generator.set_state(parts[0][1][1])
+        out.append(_concatenate_paths(trajectories))
+    return out
+
+
+def _checked_run(i, run):
+    """simulate's checks on one run of :func:`simulate_many`, defaults filled in."""
+    full = {"record_every": 1, "sign": -1, "generator": None, "record_positions": True,
+            "record_weights": False, "tuning": None, **run}
+    missing = {"tokens", "weights", "process", "T", "dt"} - set(full)
+    if missing:
+        raise ValueError(f"runs[{i}]: missing simulate arguments {sorted(missing)}")
+    full["tokens"] = check_tokens(full["tokens"])
+    full["weights"] = check_weights(full["weights"], full["tokens"])
+    full["T"] = check_positive("T", full["T"])
+    full["dt"] = check_positive("dt", full["dt"])
+    full["record_every"] = check_int("record_every", full["record_every"], 1)
+    full["sign"] = check_sign(full["sign"])
+    if not isinstance(full["process"], _PROCESSES):
+        raise TypeError(f"runs[{i}]: process: expected OrnsteinUhlenbeck, Oscillating or "
+                        f"Frozen, got {type(full['process']).__name__}")
+    if full["tuning"] is None:
+        full["tuning"] = KernelTuning()
+    return full
+
+
+def _simulate_piece(run, start, stop):
+    """Worker: paths ``start:stop`` of one run; returns the trajectory and the state its
+    generator ends in."""
+    generator = run["generator"]
+    total = run["tokens"].shape[0]
+    traj = _integrate(run["tokens"][start:stop].clone(), run["weights"][start:stop].clone(),
+                      run["process"], T=run["T"], dt=run["dt"],
+                      record_every=run["record_every"], sign=run["sign"],
+                      generator=generator, record_positions=run["record_positions"],
+                      record_weights=run["record_weights"], progress=False,
+                      tuning=dataclasses.replace(run["tuning"], plan_paths=total),
+                      noise_rows=(start, stop, total))
+    return traj, (None if generator is None else generator.get_state())
+
+
+def _concatenate_paths(parts: list[Trajectory]) -> Trajectory:
+    """One Trajectory from pieces of consecutive paths (record axis first, then paths)."""
+    first = parts[0]
+    fields = {}
+    for name in Trajectory.__dataclass_fields__:
+        value = getattr(first, name)
+        if name in ("times", "dt", "sign") or value is None:
+            fields[name] = value
+        elif name in ("final_tokens", "final_weights"):
+            fields[name] = torch.cat([getattr(p, name) for p in parts], 0)
+        else:
+            fields[name] = torch.cat([getattr(p, name) for p in parts], 1)
+    return Trajectory(**fields)
