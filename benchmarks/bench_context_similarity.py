@@ -37,7 +37,12 @@ import time
 
 import torch
 
-from companion.context_similarity import analyse_corpus, default_model_path, load_encoder
+from companion.context_similarity import (
+    CaptureSettings,
+    analyse_corpus,
+    default_model_path,
+    load_encoder,
+)
 from companion.corpora import load_corpus, windows
 from results_io import write_results
 
@@ -49,17 +54,6 @@ def bare_forward(model, wins, batch_size):
         for start in range(0, len(wins), batch_size):
             part = wins[start:start + batch_size]
             model(input_ids=part.input_ids, attention_mask=part.attention_mask)
-
-
-def _whole_forward(run):
-    """Run ``run`` with the analysis's early stop switched off."""
-    import companion.context_similarity as cs
-
-    cs._STOP_AFTER_LAST_ATTENTION = False
-    try:
-        return run()
-    finally:
-        cs._STOP_AFTER_LAST_ATTENTION = True
 
 
 def main(argv=None) -> int:
@@ -92,9 +86,9 @@ def main(argv=None) -> int:
         "bare_eager": lambda: bare_forward(model, wins, bs),
         "full": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
                                        progress=False),
-        "full_whole_forward": lambda: _whole_forward(
-            lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
-                                   progress=False)),
+        "full_whole_forward": lambda: analyse_corpus(
+            model, wins, tokenizer=tokenizer, batch_size=bs, progress=False,
+            settings=CaptureSettings(stop_after_last_attention=False)),
         "post_wo": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
                                           where="post_wo", progress=False),
     }

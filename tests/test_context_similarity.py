@@ -3,21 +3,24 @@
 - head outputs and attention maps against a float64 per-head recomputation from
   independent forward hooks on the self-attention modules;
 - ``similarity_matrices`` against a per-head Python-loop Gram matrix (atol 1e-5);
-- ``top_pairs`` against a brute-force top-k over the upper triangle;
-- ``SimilarityStats`` against a pure-Python reference on random batches, and exact values
+- ``top_pairs`` against the brute-force top-k over the upper triangle
+  (``reference.top_pairs_reference``);
+- ``SimilarityStats`` against the pure-Python ``reference.stats_reference`` and
+  ``reference.window_sums_reference`` on random batches, and exact values
   on a hand-made batch with known sentences and repeated tokens;
 - ``merge`` associativity, 2-process gloo == 1 process, and bad input.
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 
 import pytest
 import torch
 
-from companion.context_similarity import core as cs
+import companion.context_similarity as cs
+from companion.context_similarity import capture, corpus, reference
+from companion.context_similarity import stats as stats_module
 from companion.context_similarity import (
     BatchResult,
     ModelNotFoundError,
@@ -82,42 +85,7 @@ def _small_windows(tok, length=24):
 # ------------------------------------------------------------------ head outputs
 
 
-@torch.no_grad()
-def _reference_heads(model, batch):
-    """Per-head outputs and maps recomputed in float64 from the self-attention inputs."""
-    layers = cs.encoder_layers(model)
-    inputs = {}
-    handles = [layer.attention.self.register_forward_hook(
-        lambda mod, args, kwargs, out, i=i: inputs.__setitem__(i, args[0] if args else
-                                                              kwargs["hidden_states"]),
-        with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            model(**{key: batch[key] for key in ("input_ids", "attention_mask",
-                                                  "token_type_ids") if key in batch})
-    finally:
-        for h in handles:
-            h.remove()
-    n_h = model.config.num_attention_heads
-    d = model.config.hidden_size // n_h
-    key_bias = (1.0 - batch["attention_mask"].double()) * torch.finfo(torch.float64).min
-    zs, maps = [], []
-    for i, layer in enumerate(layers):
-        x = inputs[i].double()
-        att = layer.attention.self
-        per_z, per_a = [], []
-        for h in range(n_h):  # deliberately a per-head loop: the independent reference
-            sl = slice(h * d, (h + 1) * d)
-            q = x @ att.query.weight[sl].double().T + att.query.bias[sl].double()
-            k = x @ att.key.weight[sl].double().T + att.key.bias[sl].double()
-            v = x @ att.value.weight[sl].double().T + att.value.bias[sl].double()
-            scores = q @ k.transpose(-1, -2) / math.sqrt(d) + key_bias[:, None, :]
-            a = scores.softmax(-1)
-            per_a.append(a)
-            per_z.append(a @ v)
-        zs.append(torch.stack(per_z, 1))
-        maps.append(torch.stack(per_a, 1))
-    return torch.stack(zs, 1), torch.stack(maps, 1)
+_reference_heads = reference.head_outputs_reference
 
 
 def test_head_outputs_and_similarities_match_per_head_reference(minilm64):
@@ -198,7 +166,7 @@ def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):
     assert model.config._attn_implementation == "eager"
     torch.testing.assert_close(ho.attentions, torch.stack(own.attentions, 1), atol=1e-12,
                                rtol=0)
-    workspace = {}
+    workspace = cs.Workspace()
     first = analyse_batch(model, batch, workspace=workspace)
     kept = [a.clone() for a in first.attentions]
     assert all(torch.equal(a, b) for a, b in zip(kept, ho.attentions.unbind(1)))
@@ -207,7 +175,7 @@ def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):
     assert second.attentions[0].data_ptr() == first.attentions[0].data_ptr()
     assert not torch.equal(first.attentions[0], kept[0])  # overwritten, as documented
     with pytest.raises(RuntimeError, match="runs only inside"):
-        cs._eager_attention_into_buffer(None, *(torch.zeros(1, 1, 2, 2),) * 3, None)
+        capture._eager_attention_into_buffer(None, *(torch.zeros(1, 1, 2, 2),) * 3, None)
 
 
 
@@ -343,16 +311,14 @@ def _assert_top_pairs_are_brute_force(v, i, j, full, valid, k):
     """``top_pairs``'s values and pairs against ``topk`` over the upper triangle of the
     full similarity matrices with invalid tokens masked; returns each window's number of
     valid pairs kept (at most k)."""
-    t = full.shape[-1]
-    iu, ju = torch.triu_indices(t, t, 1)
-    ok = valid[:, iu] & valid[:, ju]
-    ref = full[..., iu, ju].masked_fill(~ok[:, None, None], float("-inf")).topk(k, dim=-1)
+    ref_v, ref_i, ref_j = reference.top_pairs_reference(full, valid, k)
     kept = []
     for w in range(full.shape[0]):
-        kw = min(k, int(ok[w].sum()))
-        torch.testing.assert_close(v[w, ..., :kw], ref.values[w, ..., :kw])
-        assert torch.equal(i[w, ..., :kw], iu[ref.indices[w, ..., :kw]])
-        assert torch.equal(j[w, ..., :kw], ju[ref.indices[w, ..., :kw]])
+        n = int(valid[w].sum())
+        kw = min(k, n * (n - 1) // 2)
+        torch.testing.assert_close(v[w, ..., :kw], ref_v[w, ..., :kw])
+        assert torch.equal(i[w, ..., :kw], ref_i[w, ..., :kw])
+        assert torch.equal(j[w, ..., :kw], ref_j[w, ..., :kw])
         kept.append(kw)
     return kept
 
@@ -432,63 +398,7 @@ def test_top_pairs_fillers_on_the_issue_example():
 # ------------------------------------------------------------------ statistics
 
 
-def _reference_stats(res: BatchResult, percentile, threshold, seps, vocab):
-    """All sums of SimilarityStats by brute force over pairs (float64, Python loops)."""
-    z, attn, ids, sent, mask = (res.outputs.double(), res.attentions.double(), res.input_ids,
-                                res.sentence_ids, res.attention_mask.bool())
-    b, n_l, n_h, t, _ = z.shape
-    out = {name: torch.zeros(tuple({"L": n_l, "H": n_h, "T": t, "V": vocab,
-                                    "S": len(seps)}[c] for c in shape), dtype=torch.float64)
-           for name, (shape, _) in SimilarityStats._SUMS.items()}
-    sims = z @ z.transpose(-1, -2)
-    sims.diagonal(dim1=-2, dim2=-1).zero_()
-    out["similarity_sum"] = sims.sum(0)
-    for w in range(b):
-        valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
-        pairs = [(i, j) for a, i in enumerate(valid) for j in valid[a + 1:]]
-        k = min(max(1, round(len(pairs) * percentile / 100)), len(pairs))  # 0 if no pair
-        same = {(i, j): bool(sent[w, i] == sent[w, j]) for i, j in pairs}
-        ident = {(i, j): bool(ids[w, i] == ids[w, j]) for i, j in pairs}
-        q = {}
-        for dd in range(1, t):
-            at = [p for p in pairs if p[1] - p[0] == dd]
-            q[dd] = sum(same[p] for p in at) / len(at) if at else 0.0
-        p_same = sum(same.values()) / max(1, len(pairs))  # weighs k = 0 when no pair
-        p_ident = sum(ident.values()) / max(1, len(pairs))
-        for tok in valid:
-            out["corpus_token_counts"][ids[w, tok]] += 1
-        out["n_windows"] += 1
-        out["n_queries"] += len(valid)
-        n_keys = int(mask[w].sum())
-        for si, sid in enumerate(seps.values()):
-            keys = [p for p in range(t) if mask[w, p] and ids[w, p] == sid]
-            out["chance_separator"][si] += len(valid) * len(keys) / n_keys
-            for layer in range(n_l):
-                for h in range(n_h):
-                    out["separator_attention"][layer, h, si] += sum(
-                        float(attn[w, layer, h, qq, kk]) for qq in valid for kk in keys)
-        for layer in range(n_l):
-            for h in range(n_h):
-                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
-                out["chance_same_sentence"][layer, h] += k * p_same
-                out["chance_identical"][layer, h] += k * p_ident
-                for i, j in ranked[:k]:
-                    dd = j - i
-                    region = max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold
-                    out["n_high"][layer, h] += 1
-                    out["distance_hist"][layer, h, dd] += 1
-                    out["same_sentence"][layer, h] += same[(i, j)]
-                    out["chance_same_sentence_distance"][layer, h] += q[dd]
-                    out["identical"][layer, h] += ident[(i, j)]
-                    out["identical_distance_hist"][layer, h, dd] += ident[(i, j)]
-                    out["token_counts"][layer, h, ids[w, i]] += 1
-                    out["token_counts"][layer, h, ids[w, j]] += 1
-                    out["in_attention_region"][layer, h] += bool(region)
-                    if not region:
-                        out["masked_distance_hist"][layer, h, dd] += 1
-                        out["masked_same_sentence"][layer, h] += same[(i, j)]
-                        out["masked_chance_same_sentence_distance"][layer, h] += q[dd]
-    return out
+_reference_stats = reference.stats_reference
 
 
 def _random_batch(seed, b=3, n_l=2, n_h=3, t=20, d=4, vocab=9):
@@ -672,80 +582,15 @@ def test_merge_is_associative_and_equals_streaming():
         left.merge(SimilarityStats(**{**cfg, "percentile": 2.0}))
 
 
-def _reference_window_sums(res, percentile, threshold, seps, tracked, short, long_):
-    """Per-window contributions by brute force over pairs (float64, Python loops)."""
-    z, attn, ids, sent, mask = (res.outputs.double(), res.attentions.double(), res.input_ids,
-                                res.sentence_ids, res.attention_mask.bool())
-    b, n_l, n_h, t, _ = z.shape
-    sims = z @ z.transpose(-1, -2)
-    names = [n for n, shape in SimilarityStats._WINDOW_SUMS.items() if shape == ("L", "H")]
-    out = {n: torch.zeros(b, n_l, n_h, dtype=torch.float64)
-           for n in names + ["tracked_endpoints", "tracked_content"]}
-    out["n_queries"] = torch.zeros(b, dtype=torch.float64)
-    out["separator_attention"] = torch.zeros(b, n_l, n_h, len(seps), dtype=torch.float64)
-    out["chance_separator"] = torch.zeros(b, len(seps), dtype=torch.float64)
-    for w in range(b):
-        valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
-        pairs = [(i, j) for a, i in enumerate(valid) for j in valid[a + 1:]]
-        k = min(max(1, round(len(pairs) * percentile / 100)), len(pairs))
-        out["n_queries"][w] = len(valid)
-        n_keys = int(mask[w].sum())
-        for si, sid in enumerate(seps.values()):
-            keys = [p for p in range(t) if mask[w, p] and ids[w, p] == sid]
-            out["chance_separator"][w, si] = len(valid) * len(keys) / n_keys
-            for layer in range(n_l):
-                for h in range(n_h):
-                    out["separator_attention"][w, layer, h, si] = sum(
-                        float(attn[w, layer, h, qq, kk]) for qq in valid for kk in keys)
-        if not pairs:
-            continue
-        same = {p: bool(sent[w, p[0]] == sent[w, p[1]]) for p in pairs}
-        q = {dd: (sum(same[p] for p in pairs if p[1] - p[0] == dd)
-                  / max(1, sum(1 for p in pairs if p[1] - p[0] == dd))) for dd in range(1, t)}
-        mean_of = lambda f: sum(f(p) for p in pairs) / len(pairs)  # noqa: E731
-        for layer in range(n_l):
-            for h in range(n_h):
-                o = {n: 0.0 for n in out}
-                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
-                for i, j in ranked[:k]:
-                    dd = j - i
-                    region = max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold
-                    o["n_high"] += 1
-                    o["same_sentence"] += same[(i, j)]
-                    o["chance_same_sentence_distance"] += q[dd]
-                    o["identical"] += bool(ids[w, i] == ids[w, j])
-                    o["in_attention_region"] += bool(region)
-                    o["n_masked"] += not region
-                    o["masked_same_sentence"] += same[(i, j)] and not region
-                    o["masked_chance_same_sentence_distance"] += q[dd] * (not region)
-                    o["distance_sum"] += dd
-                    o["short_range"] += dd <= short
-                    o["long_range"] += dd > long_
-                    o["identical_long_range"] += dd > long_ and bool(ids[w, i] == ids[w, j])
-                    o["tracked_endpoints"] += ((ids[w, i] == tracked[layer, h]).item()
-                                               + (ids[w, j] == tracked[layer, h]).item())
-                o["chance_same_sentence"] = k * mean_of(lambda p: same[p])
-                o["chance_identical"] = k * mean_of(lambda p: bool(ids[w, p[0]] == ids[w, p[1]]))
-                o["chance_distance_sum"] = k * mean_of(lambda p: p[1] - p[0])
-                o["chance_short_range"] = k * mean_of(lambda p: p[1] - p[0] <= short)
-                o["chance_long_range"] = k * mean_of(lambda p: p[1] - p[0] > long_)
-                for n in names + ["tracked_endpoints"]:
-                    out[n][w, layer, h] = float(o[n])
-    for layer in range(n_l):
-        for h in range(n_h):
-            for w in range(b):
-                out["tracked_content"][w, layer, h] = sum(
-                    int(ids[w, p] == tracked[layer, h]) for p in range(t)
-                    if mask[w, p] and sent[w, p] >= 0)
-    return out
+_reference_window_sums = reference.window_sums_reference
 
 
 @pytest.mark.parametrize("percentile", [10.0, 50.0])
 def test_per_window_sums_equal_brute_force_at_any_batch_size(percentile, monkeypatch):
     """per_window=True: every window's contribution by brute force (short, mixed and empty
     windows, batch sizes 1, 2, 3), the aggregate sums unchanged, tracked tokens counted."""
-    monkeypatch.setattr(cs, "SHORT_RANGE", 2)
-    monkeypatch.setattr(cs, "LONG_RANGE", 5)
+    monkeypatch.setattr(stats_module, "SHORT_RANGE", 2)
+    monkeypatch.setattr(stats_module, "LONG_RANGE", 5)
     res = _mixed_batch(7)
     seps = {"sep": 2, "comma": 4}
     tracked = torch.tensor([[3, 4, 5], [6, 7, 8]])
@@ -1152,12 +997,12 @@ def test_analyse_corpus_on_real_windows_is_consistent(minilm64):
     assert ((frac >= 0) & (frac <= 1 + 1e-9)).all()
     assert not torch.equal(pre.distance_hist, post.distance_hist)
     # work buffers are kept between calls and reused: the same statistics again
-    assert cs._SHARED_WORKSPACES
+    assert corpus._SHARED_WORKSPACES
     again = analyse_corpus(model, w, tokenizer=tok, batch_size=4, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(pre.tensors().values(),
                                                  again.tensors().values()))
     cs.clear_workspaces()
-    assert not cs._SHARED_WORKSPACES
+    assert not corpus._SHARED_WORKSPACES
 
 
 def test_analyse_corpus_on_full_and_padded_windows_at_any_batch_size(minilm64):

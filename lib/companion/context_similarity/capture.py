@@ -1,0 +1,473 @@
+"""One capture of every head's output vector and attention map, in a single forward pass.
+
+The names follow TransformerLens: per layer ``l``, ``blocks.{l}.attn.hook_z`` is the
+per-head context ``z^{lh}_i = sum_j A^{lh}_ij v^{lh}_j`` (``[B, T, H, d]``, the input of
+the output projection ``W_O`` split into heads) and ``blocks.{l}.attn.hook_pattern`` the
+attention probabilities ``A^{lh}`` (``[B, H, T_q, T_k]``). :func:`head_outputs` returns
+both for a batch; :func:`analyse_batch` also what the statistics need (content tokens,
+the attention each key receives), as a :class:`BatchResult`.
+
+How: a forward pre-hook on each layer's ``attention.output.dense`` reads ``hook_z``, and
+a registered attention function (the eager computation, window by window) writes
+``hook_pattern`` into one buffer of a :class:`~companion.context_similarity.workspace.Workspace`.
+With :class:`CaptureSettings` ``stop_after_last_attention`` (the default for the
+analysis), the pass stops once the last layer's ``hook_z`` is read.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from companion._validate import check_bool
+from companion.context_similarity.encoder import WHERE, _heads, encoder_layers
+from companion.context_similarity.workspace import Workspace, work_buffer
+
+__all__ = [
+    "ATTENTION_INTO_BUFFER",
+    "BatchResult",
+    "CaptureSettings",
+    "HeadOutputs",
+    "analyse_batch",
+    "head_outputs",
+    "hook_names",
+    "wo_gram",
+]
+
+
+def hook_names(layer: int) -> tuple[str, str]:
+    """The TransformerLens names of what layer ``layer`` captures: (``hook_z``,
+    ``hook_pattern``).
+
+    >>> hook_names(0)
+    ('blocks.0.attn.hook_z', 'blocks.0.attn.hook_pattern')
+    """
+    return f"blocks.{layer}.attn.hook_z", f"blocks.{layer}.attn.hook_pattern"
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """How the forward pass of the analysis runs.
+
+    ``stop_after_last_attention``: stop the pass once the last layer's ``hook_z`` is
+    captured; that layer's ``W_O``, feed-forward block and the pooler feed no statistic
+    (about a tenth of the forward of a 6-layer model). False runs the whole model (as
+    benchmarks/bench_context_similarity.py does to measure the analysis's own overhead).
+    """
+
+    stop_after_last_attention: bool = True
+
+
+class HeadOutputs(NamedTuple):
+    """Per-head output vectors and attention maps of one batch (and, on request, the
+    final hidden states of the same forward pass)."""
+
+    outputs: torch.Tensor  # [B, L, H, T, d] (pre_wo) or [B, L, H, T, D] (post_wo)
+    attentions: torch.Tensor  # [B, L, H, T, T], rows are queries
+    hidden: torch.Tensor | None = None  # [B, T, D] last_hidden_state (return_hidden=True)
+
+
+
+_BATCH_HELP = ("a Mapping such as a dict or a tokenizer's BatchEncoding "
+               "(tokenizer(..., return_tensors='pt')) with 'input_ids' [B, T] and optionally "
+               "'attention_mask' and 'token_type_ids', or a companion.corpora.Windows")
+
+
+def _batch_tensors(batch, model) -> dict[str, torch.Tensor]:
+    """The batch as a plain dict, its model inputs checked against ``model``.
+
+    Any ``collections.abc.Mapping`` is read (a Hugging Face ``BatchEncoding`` is one, not a
+    dict); keys other than the model inputs and ``sentence_ids`` are passed through
+    unchecked. Checked here rather than left to the forward pass, whose errors (an
+    embedding index out of range, a device mismatch) come from deep inside torch.
+    """
+    encoder_layers(model)  # TypeError for anything but a BERT-family model
+    if not isinstance(batch, Mapping) and callable(getattr(batch, "batch", None)):
+        batch = batch.batch()  # companion.corpora.Windows
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch: expected {_BATCH_HELP}; got {type(batch).__name__}")
+    if "input_ids" not in batch:
+        raise TypeError(f"batch: expected {_BATCH_HELP}; got a {type(batch).__name__} with "
+                        f"keys {sorted(map(str, batch.keys()))}")
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError("batch['input_ids']: expected a torch.Tensor [B, T] of token ids "
+                        f"(return_tensors='pt'), got {type(ids).__name__}")
+    if ids.dtype != torch.long:
+        raise TypeError(f"batch['input_ids']: expected dtype torch.long, got {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"batch['input_ids']: expected a 2-D tensor [B, T], got shape "
+                         f"{tuple(ids.shape)}")
+    if ids.shape[0] == 0 or ids.shape[1] < 2:
+        raise ValueError(f"batch['input_ids']: expected B >= 1 and T >= 2, got {tuple(ids.shape)}")
+    model_device = next(model.parameters()).device
+    if ids.device != model_device:
+        raise ValueError(f"batch['input_ids']: on {ids.device}, the model on {model_device}; "
+                         "move the batch to the model's device (nothing is moved here)")
+    vocab = int(model.config.vocab_size)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"batch['input_ids']: token ids must lie in [0, {vocab}) (the "
+                         f"model's vocabulary), got [{int(ids.min())}, {int(ids.max())}]")
+    out = dict(batch.items())
+    n_types = getattr(model.config, "type_vocab_size", None)
+    for name, top in (("attention_mask", 2), ("token_type_ids", n_types), ("sentence_ids", None)):
+        x = out.get(name)
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.is_complex():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"batch[{name!r}]: expected an integer (or bool) torch.Tensor, "
+                            f"got {got}")
+        if tuple(x.shape) != tuple(ids.shape) or x.device != ids.device:
+            raise ValueError(f"batch[{name!r}]: expected shape {tuple(ids.shape)} on "
+                             f"{ids.device} like input_ids, got {tuple(x.shape)} on {x.device}")
+        if x.dtype == torch.bool:
+            x = out[name] = x.long()  # the model adds masks as numbers
+        if top is not None and (int(x.min()) < 0 or int(x.max()) >= top):
+            raise ValueError(f"batch[{name!r}]: expected values in [0, {top}), got "
+                             f"[{int(x.min())}, {int(x.max())}]")
+    if out.get("attention_mask") is None:
+        out["attention_mask"] = torch.ones_like(ids)
+    return out
+
+
+def _check_model(model, length: int) -> None:
+    if getattr(model.config, "_attn_implementation", "eager") != "eager":
+        raise ValueError(
+            "model: attention maps need attn_implementation='eager' (got "
+            f"{model.config._attn_implementation!r}); load it with load_encoder() or "
+            "AutoModel.from_pretrained(..., attn_implementation='eager')"
+        )
+    if model.training:
+        raise ValueError(
+            "model: in training mode (dropout would perturb outputs); call model.eval()")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and length > max_pos:
+        raise ValueError(
+            f"batch: windows of {length} tokens exceed the model's maximum input length {max_pos}"
+        )
+
+
+def wo_gram(model) -> torch.Tensor:
+    """Per-head Gram matrices of the output projection, ``G^{lh} = W_O^{h T} W_O^{h}``.
+
+    ``<W_O^h z_i, W_O^h z_j> = z_i^T G^{lh} z_j``: the post-W_O similarity from pre-W_O
+    vectors without materialising the ``[B, L, H, T, D]`` contributions.
+
+    Returns
+    -------
+    Tensor [L, H, d, d] on the model's device and dtype.
+    """
+    layers = encoder_layers(model)
+    _, n_heads, d = _heads(model)
+    grams = []
+    for layer in layers:
+        w = layer.attention.output.dense.weight  # [D_out, H*d]
+        wh = w.detach().view(w.shape[0], n_heads, d)  # [D, H, d]
+        grams.append(torch.einsum("ohd,ohe->hde", wh, wh))
+    return torch.stack(grams)
+
+
+@torch.no_grad()
+def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = False
+                 ) -> HeadOutputs:
+    """Every head's output vector for every token, and the attention maps.
+
+    A forward pre-hook on each layer's ``attention.output.dense`` (the ``W_O``
+    projection) captures its input, the concatenated per-head context ``[B, T, H*d]``
+    (value bias included), which is split into heads. The attention maps are the eager
+    attention's probabilities, computed by a registered attention function that keeps
+    them in one buffer (the model's configured implementation is restored afterwards).
+
+    Parameters
+    ----------
+    model : a BERT-family model in eval mode with eager attention (see :func:`load_encoder`).
+    batch : Mapping or :class:`companion.corpora.Windows`
+        Any ``collections.abc.Mapping`` (a dict, or the tokenizer's own output, a
+        ``BatchEncoding`` from ``tokenizer(..., padding=True, return_tensors="pt")``) with
+        ``input_ids`` [B, T] (long) and optionally ``attention_mask`` and
+        ``token_type_ids`` (integer or bool, [B, T]); other keys are ignored. Tensors must
+        be on the model's device (nothing is moved).
+    where : "pre_wo" | "post_wo"
+        ``"pre_wo"``: ``z^{lh}_i`` (size ``d``); ``"post_wo"``: the head's contribution
+        after ``W_O``, ``W_O^h z^{lh}_i`` (size ``D``; the bias of ``W_O`` is not split
+        among heads, so the heads' contributions plus that bias give the layer's
+        attention output before dropout, residual and LayerNorm).
+    return_hidden : bool
+        Also return the model's final hidden states (``last_hidden_state``) from the same
+        forward pass, which then runs to the end instead of stopping after the last
+        layer's attention: one pass gives what a head-output analysis and a baseline on
+        the final hidden states both need.
+
+    Returns
+    -------
+    HeadOutputs(outputs, attentions, hidden)
+        ``outputs`` [B, L, H, T, d] (or [B, L, H, T, D]); ``attentions`` [B, L, H, T, T];
+        ``hidden`` [B, T, D] with ``return_hidden=True``, else None; all in the model's
+        dtype (float32 and float64 are tested).
+
+    Examples
+    --------
+    >>> model, tok = load_encoder(device="cpu")  # doctest: +SKIP
+    >>> ho = head_outputs(model, tok(["A cat sat."], return_tensors="pt"),
+    ...                   return_hidden=True)  # doctest: +SKIP
+    >>> ho.outputs.shape[1:3], ho.hidden.shape[-1]  # doctest: +SKIP
+    (torch.Size([6, 12]), 384)
+
+    Raises
+    ------
+    TypeError
+        ``batch`` is not a Mapping (or Windows), has no ``input_ids``, or holds a
+        non-tensor or wrongly typed entry (``input_ids`` not long, a floating mask).
+    ValueError
+        Wrong rank or shape, tensors on another device than the model, token ids outside
+        the vocabulary, a mask not 0/1, windows longer than the model accepts, ``where``
+        unknown, a model in training mode or without eager attention.
+
+    Complexity
+    ----------
+    One forward pass; the hooks copy O(B L T D) numbers.
+    """
+    if where not in WHERE:
+        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    return_hidden = check_bool("return_hidden", return_hidden)
+    z, attentions, _, hidden = _capture(model, _batch_tensors(batch, model),
+                                        return_hidden=return_hidden)
+    if where == "post_wo":
+        layers = encoder_layers(model)
+        n_layers, n_heads, d = _heads(model)
+        w = torch.stack([layer.attention.output.dense.weight for layer in layers])  # [L,D,H*d]
+        w = w.view(n_layers, w.shape[1], n_heads, d)
+        z = torch.einsum("blhtd,lohd->blhto", z, w)
+    return HeadOutputs(z, torch.stack(attentions, dim=1), hidden)
+
+
+# The attention maps come from our own registered attention function: the eager
+# computation (scores, additive mask, softmax, probabilities times values), written into
+# one buffer per call instead of fresh [B, H, T, T] tensors per layer. Keeping fresh maps
+# alive for the whole batch (``output_attentions=True``) made every layer's allocation a
+# new mapping of pages, and cost more than the rest of the eager attention together.
+ATTENTION_INTO_BUFFER = "companion_eager_into_buffer"
+_SINK_KWARG = "companion_attention_maps"
+
+
+class _AttentionMaps:
+    """The attention probabilities of one forward pass, layer by layer (call order).
+
+    ``buffer`` (every layer's ``hook_pattern``) is ``[L, B, H, T, T]``; with a
+    :class:`Workspace` it is reused between
+    passes of equal shape, dtype and device (so the maps of a pass are overwritten by the
+    next one). With ``content`` (``[B, T]`` query weights, 1 for content tokens), the
+    attention every key receives from those queries, ``sum_q content_q A_qk``, is summed
+    while each window's maps are in cache: ``received`` ``[L, B, H, T]``.
+    """
+
+    def __init__(self, n_layers: int, workspace: Workspace | None = None,
+                 content: torch.Tensor | None = None):
+        self.n_layers = n_layers
+        self.workspace = workspace
+        self.content = content
+        self.buffer: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
+        self.calls = 0
+
+    def _reused(self, name, shape, dtype, device) -> torch.Tensor:
+        return work_buffer(self.workspace, name, math.prod(shape), dtype, device).view(shape)
+
+    def next_layer(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The maps slice [B, H, Tq, Tk] of the next layer and its ``received`` slice."""
+        if self.calls >= self.n_layers:
+            raise RuntimeError(
+                f"model: more attention calls than the {self.n_layers} layers in one pass")
+        full = (self.n_layers, *shape)
+        if self.buffer is None:
+            self.buffer = self._reused("attention_maps", full, dtype, device)
+            if self.content is not None:
+                if tuple(self.content.shape) != (shape[0], shape[2]):
+                    raise RuntimeError("content: expected [B, T] query weights")
+                self.received = self._reused("received_attention",
+                                             (self.n_layers, shape[0], shape[1], shape[3]),
+                                             dtype, device)
+        if tuple(self.buffer.shape) != full:
+            raise RuntimeError(f"model: attention layers of different shapes {shape} in one pass")
+        layer = self.calls
+        self.calls += 1
+        return self.buffer[layer], None if self.received is None else self.received[layer]
+
+
+def _eager_attention_into_buffer(module, query, key, value, attention_mask, scaling=None,
+                                 dropout=0.0, **kwargs):
+    """Eager attention (as ``transformers``' BERT computes it) writing its maps into a buffer.
+
+    ``softmax(scale q k^T + mask) v`` with the probabilities left in the next layer slice of
+    the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward.
+    Window by window: one window's maps (``H T^2`` numbers, under a megabyte for BERT
+    sizes) stay in the processor's cache from the scores through the softmax to the
+    product with the values, which makes this as fast as a fused attention kernel
+    (the batched form makes three trips through main memory per layer).
+    """
+    sink = kwargs.get(_SINK_KWARG)
+    if not isinstance(sink, _AttentionMaps):
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_INTO_BUFFER!r} runs only inside "
+            "companion.context_similarity.head_outputs / analyse_batch")
+    if dropout:
+        raise ValueError("model: attention dropout is active (call model.eval())")
+    bsz, n_heads, t_q, d = query.shape
+    t_k = key.shape[2]
+    if scaling is None:
+        scaling = d ** -0.5
+    maps, received = sink.next_layer((bsz, n_heads, t_q, t_k), query.dtype, query.device)
+    out = torch.empty(bsz, n_heads, t_q, value.shape[-1], dtype=value.dtype,
+                      device=value.device)
+    if received is not None:
+        content = sink.content.to(query.dtype)[:, None, :]  # [B, 1, Tq]
+    for w in range(bsz):
+        probs = maps[w]  # [H, Tq, Tk]
+        torch.baddbmm(probs, query[w], key[w].transpose(1, 2), beta=0, alpha=scaling,
+                      out=probs)
+        if attention_mask is not None:
+            probs.add_(attention_mask[w if attention_mask.shape[0] > 1 else 0])
+        torch.softmax(probs, dim=-1, out=probs)
+        torch.matmul(probs, value[w], out=out[w])
+        if received is not None:  # [1, Tq] @ [H, Tq, Tk] -> [H, 1, Tk]
+            torch.matmul(content[w], probs, out=received[w].unsqueeze(1))
+    return out.transpose(1, 2), maps
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    if ATTENTION_INTO_BUFFER not in AttentionInterface():
+        AttentionInterface.register(ATTENTION_INTO_BUFFER, _eager_attention_into_buffer)
+        AttentionMaskInterface.register(ATTENTION_INTO_BUFFER, eager_mask)
+
+
+class _StopAfterLastAttention(Exception):
+    """Raised by the last layer's ``hook_z`` hook to end the forward pass early.
+
+    Why an exception: a ``transformers`` model has no way to run only its first ``L``
+    attention blocks, and everything after the last layer's ``hook_z`` (that layer's
+    ``W_O``, its feed-forward block, the pooler) feeds no statistic. Raising from the hook
+    is the one way out of ``model(...)`` there; it is caught right around the call in
+    :func:`_capture` and never leaves this module.
+    """
+
+
+@torch.no_grad()
+def _capture(model, tensors, workspace: Workspace | None = None,
+             content: torch.Tensor | None = None, return_hidden: bool = False,
+             settings: CaptureSettings = CaptureSettings()):
+    """Pre-W_O head outputs [B, L, H, T, d] (every layer's ``hook_z``), the per-layer
+    attention maps (``hook_pattern``, a tuple) and, with ``content`` ([B, T] query
+    weights), the attention each key receives from those queries, [B, L, H, T] (else
+    None); with ``return_hidden``, also the final hidden states [B, T, D] (the pass then
+    runs to the end), else None.
+
+    The outputs are a view of a ``[L, H, B, T, d]`` tensor; with a ``workspace``, outputs
+    and maps live in buffers kept there and overwritten by the next call.
+
+    The model runs once with :func:`_eager_attention_into_buffer` (the eager computation,
+    its maps kept in one buffer, see :class:`_AttentionMaps`); its configured attention
+    implementation is restored afterwards (``model.set_attn_implementation``).
+    """
+    _check_model(model, tensors["input_ids"].shape[1])
+    layers = encoder_layers(model)
+    n_layers, n_heads, d = _heads(model)
+    hook_z: list[torch.Tensor | None] = [None] * n_layers
+    stop_early = settings.stop_after_last_attention and not return_hidden
+
+    def make_hook(index):
+        def read_hook_z(module, args):
+            hook_z[index] = args[0]
+            if stop_early and index == n_layers - 1:
+                raise _StopAfterLastAttention
+
+        return read_hook_z
+
+    _register_attention()
+    maps = _AttentionMaps(n_layers, workspace, content)
+    configured = model.config._attn_implementation
+    handles = [
+        layer.attention.output.dense.register_forward_pre_hook(make_hook(i))
+        for i, layer in enumerate(layers)
+    ]
+    hidden = None
+    try:
+        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
+                  if tensors.get(k) is not None}
+        model.set_attn_implementation(ATTENTION_INTO_BUFFER)
+        out = model(**inputs, **{_SINK_KWARG: maps})
+        hidden = out.last_hidden_state
+    except _StopAfterLastAttention:
+        pass
+    finally:
+        model.set_attn_implementation(configured)
+        for h in handles:
+            h.remove()
+    if any(c is None for c in hook_z) or maps.calls != n_layers:
+        raise RuntimeError(
+            "model: the forward pass did not reach every attention layer through the "
+            "transformers attention interface (a BERT-family model of transformers >= 5 "
+            "is expected)")
+    b, t = tensors["input_ids"].shape
+    # stored (layer, head, window, token, dim): the statistics take the sum over windows
+    # of every head's similarity matrix, which is then one contiguous block
+    first = hook_z[0]
+    z = work_buffer(workspace, "head_outputs", n_layers * n_heads * b * t * d, first.dtype,
+                    first.device).view(n_layers, n_heads, b, t, d)
+    for layer, context in enumerate(hook_z):
+        z[layer].copy_(context.view(b, t, n_heads, d).permute(2, 0, 1, 3))
+    received = None if maps.received is None else maps.received.permute(1, 0, 2, 3)
+    return z.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0)), received, hidden
+
+
+
+class BatchResult(NamedTuple):
+    """What :meth:`SimilarityStats.update` consumes for one batch of windows."""
+
+    outputs: torch.Tensor  # [B, L, H, T, d] pre-W_O head outputs
+    attentions: torch.Tensor | tuple  # [B, L, H, T, T] or L tensors [B, H, T, T]
+    input_ids: torch.Tensor  # [B, T]
+    sentence_ids: torch.Tensor  # [B, T], -1 at special tokens / padding
+    attention_mask: torch.Tensor  # [B, T]
+    metric: torch.Tensor | None = None  # [L, H, d, d]: similarity z_i^T M z_j (post-W_O)
+    # [B, L, H, T]: attention each key receives from the content queries (sentence id >= 0,
+    # not padding), sum_q A_qk; None: computed from the maps
+    received_attention: torch.Tensor | None = None
+
+
+def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None = None,
+                  workspace: Workspace | None = None,
+                  settings: CaptureSettings = CaptureSettings()) -> BatchResult:
+    """Head outputs and attention maps of one batch, ready for :meth:`SimilarityStats.update`.
+
+    ``batch`` is what :func:`head_outputs` takes (a Mapping such as a dict or a
+    tokenizer's ``BatchEncoding``, or a :class:`companion.corpora.Windows`) and needs
+    ``sentence_ids`` [B, T] (integer, -1 at special tokens and padding; a Windows has
+    them, a tokenizer's output does not: add them to it).
+    ``where="post_wo"`` attaches the metric :func:`wo_gram` (pass ``gram`` to reuse it),
+    so the statistics use the post-W_O similarities. With a :class:`Workspace` the
+    attention maps live in a buffer kept there and reused by the next call with the same
+    workspace (which overwrites them): consume the result before the next call.
+    """
+    if where not in WHERE:
+        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    tensors = _batch_tensors(batch, model)
+    if tensors.get("sentence_ids") is None:
+        raise ValueError("batch: expected 'sentence_ids' [B, T] (-1 at special tokens and "
+                         "padding), as companion.corpora.windows makes; add them to a "
+                         "tokenizer's output")
+    content = tensors["attention_mask"].bool() & (tensors["sentence_ids"] >= 0)
+    z, attentions, received, _ = _capture(model, tensors, workspace, content,
+                                          settings=settings)
+    metric = None
+    if where == "post_wo":
+        metric = gram if gram is not None else wo_gram(model)
+    return BatchResult(z, attentions, tensors["input_ids"], tensors["sentence_ids"],
+                       tensors["attention_mask"], metric, received)
+

@@ -1,0 +1,246 @@
+"""The corpus pass: :func:`analyse_corpus` over windows, batch by batch, in one process,
+sharded over ``torch.distributed`` ranks, or started under ``torchrun`` from here
+(``nproc``); and the ``torchrun -m companion.context_similarity`` command line.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from companion._validate import check_int
+from companion.context_similarity.capture import (
+    CaptureSettings,
+    _check_model,
+    analyse_batch,
+    wo_gram,
+)
+from companion.context_similarity.encoder import (
+    WHERE,
+    _heads,
+    load_encoder,
+    separator_ids,
+)
+from companion.context_similarity.stats import SimilarityStats
+from companion.context_similarity.workspace import Workspace
+from companion.devices import resolve_device
+
+__all__ = ["analyse_corpus", "clear_workspaces"]
+
+# Work buffers of analyse_corpus, one Workspace per device, kept between calls: buffers
+# of tens of megabytes are handed back to the operating system when freed, and
+# page-faulting them in again costs about as much per call as a batch of analysis.
+# A cache, not a setting: clear_workspaces() frees them.
+_SHARED_WORKSPACES: dict[str, Workspace] = {}
+
+
+def clear_workspaces() -> None:
+    """Free the work buffers :func:`analyse_corpus` keeps between calls (about
+    ``12 L H B T^2`` bytes per device in float32, ~180 MB for MiniLM, batches of 16).
+
+    >>> clear_workspaces()
+    """
+    _SHARED_WORKSPACES.clear()
+
+
+def _distributed(distributed, group):
+    import torch.distributed as dist
+
+    active = dist.is_available() and dist.is_initialized()
+    if distributed is None:
+        distributed = active
+    if distributed and not active:
+        raise ValueError("distributed: True needs an initialised torch.distributed process group")
+    if not distributed:
+        return False, 0, 1
+    return True, dist.get_rank(group), dist.get_world_size(group)
+
+
+def analyse_corpus(
+    model,
+    windows,
+    *,
+    tokenizer=None,
+    separators: dict[str, int] | None = None,
+    where: str = "pre_wo",
+    batch_size: int = 16,
+    percentile: float = 1.0,
+    attention_threshold: float = 0.1,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    distributed: bool | None = None,
+    group=None,
+    per_window: bool = False,
+    track_tokens: torch.Tensor | None = None,
+    nproc: int | None = None,
+    settings: CaptureSettings = CaptureSettings(),
+) -> SimilarityStats:
+    """Context-similarity statistics of a model over a set of windows.
+
+    The windows are split into consecutive batches of ``batch_size``; batch ``k`` is
+    processed by rank ``k mod world_size`` when a ``torch.distributed`` process group is
+    initialised (``torchrun``), and the statistics are all-reduced, so every rank returns
+    the statistics of all windows, equal to a single-process run (identical batches give
+    identical forward passes; only the float64 summation order differs).
+
+    Parameters
+    ----------
+    model : from :func:`load_encoder` (eval mode, eager attention).
+    windows : :class:`companion.corpora.Windows`.
+    tokenizer, separators : the separator tokens whose attention mass is tracked:
+        ``separators`` (name -> id), or ``separator_ids(tokenizer)`` ('.', ',', '[SEP]').
+    where : "pre_wo" | "post_wo" (ablation; via :func:`wo_gram`).
+    batch_size : windows per forward pass.
+    percentile, attention_threshold : see :class:`SimilarityStats`.
+    device : where the statistics accumulate (default: the model's device). Each batch
+        of windows is copied to the model's device for the forward pass (the windows
+        themselves stay where they are).
+    progress : show a tqdm progress bar (rank 0 only).
+    distributed : None = shard when a process group is initialised; False = never.
+    group : the process group (default: the world).
+    per_window : also keep every window's contribution (for a bootstrap over windows;
+        see :class:`SimilarityStats`). Under torchrun the windows come back grouped by rank.
+    track_tokens : optional [L, H] token ids to count per window (needs ``per_window``;
+        see :meth:`SimilarityStats.track_tokens`).
+    nproc : run the pass under ``torchrun`` with this many processes from here (a
+        notebook, one process): :func:`companion.parallel.torchrun_call` starts them, each
+        takes every ``nproc``-th batch, and the all-reduced statistics come back, per-window
+        parts in window order. Default: the book's ``--nproc`` (``COMPANION_NPROC``, 1).
+        Ignored inside an initialised process group (the ranks are already there).
+    settings : :class:`CaptureSettings` of the forward pass (speed only: the default stops
+        it after the last layer's attention; the statistics are the same either way).
+
+    Returns
+    -------
+    SimilarityStats on ``device``.
+
+    Complexity
+    ----------
+    One forward pass per window plus O(L H T^2) per window for the statistics. Memory:
+    work buffers of about ``12 L H B T^2`` bytes (float32), kept between calls on each
+    device (:func:`clear_workspaces` frees them); not for concurrent calls from threads.
+    """
+    from companion.corpora import Windows
+
+    if not isinstance(windows, Windows):
+        raise TypeError(
+            f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    if len(windows) == 0:
+        raise ValueError("windows: expected at least one window, got none")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    if where not in WHERE:
+        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    if separators is None:
+        if tokenizer is None:
+            raise ValueError("tokenizer: needed to find the separator tokens (or pass separators=)")
+        separators = separator_ids(tokenizer)
+    _check_model(model, windows.length)
+    import torch.distributed as dist
+
+    from companion.parallel import requested_nproc, torchrun_call
+
+    nproc = requested_nproc() if nproc is None else check_int("nproc", nproc, minimum=1)
+    if nproc > 1 and distributed is not False and not (dist.is_available()
+                                                         and dist.is_initialized()):
+        kind = next(model.parameters()).device.type
+        stats = torchrun_call("companion.context_similarity.corpus:analyse_corpus", dict(
+            model=model, windows=windows, separators=separators, where=where,
+            batch_size=batch_size, percentile=percentile,
+            attention_threshold=attention_threshold, device=device, progress=progress,
+            per_window=per_window, track_tokens=track_tokens, nproc=1, settings=settings),
+            nproc=nproc, device="cuda" if kind == "cuda" else "cpu")
+        return stats.to(resolve_device(device) if device is not None
+                        else next(model.parameters()).device)
+    model_device = next(model.parameters()).device
+    dev = model_device if device is None else resolve_device(device)
+    n_layers, n_heads, _ = _heads(model)
+    stats = SimilarityStats(
+        n_layers=n_layers, n_heads=n_heads, length=windows.length,
+        vocab_size=int(model.config.vocab_size), percentile=percentile,
+        attention_threshold=attention_threshold, separators=separators, device=dev,
+        per_window=per_window,
+    )
+    if track_tokens is not None:
+        stats.track_tokens(track_tokens)
+    is_dist, rank, world = _distributed(distributed, group)
+    n_batches = math.ceil(len(windows) / batch_size)
+    mine = range(rank, n_batches, world)
+    gram = wo_gram(model) if where == "post_wo" else None
+    # buffers (maps, head outputs, similarity products) reused by every batch and call
+    workspace = _SHARED_WORKSPACES.setdefault(str(model_device), Workspace())
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(windows), desc=f"context similarity ({where})", unit="window")
+    for k in mine:
+        part = windows[k * batch_size:(k + 1) * batch_size]
+        batch = {name: t.to(model_device) for name, t in part.batch().items()}
+        result = analyse_batch(model, batch, where=where, gram=gram, workspace=workspace,
+                               settings=settings)
+        stats.update(result, workspace=workspace)
+        if bar is not None:
+            # rank 0 speaks for all ranks: they advance in lock-step over equal shards
+            bar.update(min(len(part) * world, bar.total - bar.n))
+    if bar is not None:
+        bar.close()
+    if is_dist:
+        stats.all_reduce(group)
+    return stats
+
+
+# --------------------------------------------------------------------------- CLI (torchrun)
+
+
+def _main(argv=None) -> int:
+    """``torchrun --nproc-per-node N -m companion.context_similarity --corpus brown ...``."""
+    import torch.distributed as dist
+
+    from companion.corpora import Windows, load_corpus
+    from companion.corpora import windows as cut_windows
+
+    parser = argparse.ArgumentParser(prog="python -m companion.context_similarity")
+    parser.add_argument("--model", default=None, help="name or path (default: bundled MiniLM)")
+    parser.add_argument("--corpus", default="brown,bbc,wiki",
+                        help="comma-separated corpus names or paths")
+    parser.add_argument("--windows", type=int, default=20_000)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--percentile", type=float, default=1.0)
+    parser.add_argument("--attention-threshold", type=float, default=0.1)
+    parser.add_argument("--where", choices=WHERE, default="pre_wo")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", required=True, help="where rank 0 saves the statistics (.pt)")
+    args = parser.parse_args(argv)
+
+    if "RANK" in os.environ and not dist.is_initialized():
+        dev = resolve_device(args.device)
+        if dev.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dev = torch.device("cuda", local)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    else:
+        dev = resolve_device(args.device)
+    model, tokenizer = load_encoder(args.model, device=dev)
+    names = [c for c in args.corpus.split(",") if c]
+    per = math.ceil(args.windows / len(names))
+    parts = []
+    for c in names:
+        corpus = load_corpus(c)
+        parts.append(cut_windows(corpus, tokenizer, args.length, max_windows=per, seed=args.seed,
+                                 cross_documents=(c == "wiki")))
+    wins = Windows.concat(parts)[: args.windows]
+    stats = analyse_corpus(model, wins, tokenizer=tokenizer, where=args.where,
+                           batch_size=args.batch_size, percentile=args.percentile,
+                           attention_threshold=args.attention_threshold)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(stats.state_dict(), args.out)
+        print(f"saved statistics of {int(stats.n_windows)} windows to {args.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

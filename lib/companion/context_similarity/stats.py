@@ -1,0 +1,1015 @@
+"""Streaming statistics of the high-similarity pairs: one small function per statistic.
+
+Every statistic is a sum over windows, registered once in :data:`STATISTICS` by the
+decorators :func:`batch_sum` (its part of the corpus sum, one batch at a time) and
+:func:`window_sum` (each window's own part, kept with ``per_window=True`` for a bootstrap
+over windows). A statistic is a small function of a :class:`PairBatch`, which computes
+what several statistics share (the selected pairs, their distances, whether they lie in
+one sentence, in the high-attention region, ...) once, on first use. Adding a statistic
+is one function here; :class:`SimilarityStats` allocates, adds, merges, all-reduces and
+saves every registered sum.
+
+The plain definitions, loops over pairs, are in
+:func:`companion.context_similarity.reference.stats_reference`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from companion.context_similarity.capture import BatchResult
+from companion.context_similarity.topk import similarity_matrices, top_pairs
+from companion.context_similarity.workspace import Workspace, work_buffer
+
+__all__ = [
+    "LONG_RANGE",
+    "SHORT_RANGE",
+    "STATISTICS",
+    "PairBatch",
+    "ScatterAdd",
+    "SimilarityStats",
+    "Statistic",
+    "batch_sum",
+    "window_sum",
+]
+
+SHORT_RANGE = 8  # per-window "short" pairs: token distance j - i <= SHORT_RANGE
+LONG_RANGE = 32  # per-window "long" pairs: token distance j - i > LONG_RANGE
+
+
+def _k_of(n_pairs: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Number of pairs in the top ``percentile`` per cent (at least 1 when any pair)."""
+    k = torch.round(n_pairs.double() * (percentile / 100.0)).long()
+    return torch.minimum(torch.clamp(k, min=1), n_pairs)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class ScatterAdd(NamedTuple):
+    """A batch's part of a sum too large to build densely: add ``weights`` at the flat
+    positions ``index`` of the sum."""
+
+    index: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
+class Statistic:
+    """One registered sum.
+
+    ``needs``: what must exist for it to be computed: ``"batch"`` (always), ``"pairs"``
+    (windows with content pairs; zero otherwise), ``"separators"`` (separator tokens
+    given), ``"tracked"`` (:meth:`SimilarityStats.track_tokens` set; per window only).
+    ``shape``/``dtype``: of the corpus sum (letters L, H, T, V, S), with ``total`` the
+    function giving a batch's part of it; ``window_shape``/``window``: each window's part
+    (float64, shape ``[B, *window_shape]``). Either may be absent.
+    """
+
+    name: str
+    needs: str = "batch"
+    shape: tuple | None = None
+    dtype: torch.dtype | None = None
+    total: Callable[[PairBatch], torch.Tensor | ScatterAdd] | None = None
+    window_shape: tuple | None = None
+    window: Callable[[PairBatch], torch.Tensor] | None = None
+
+
+#: Every statistic, by name, in the order of the saved sums.
+STATISTICS: dict[str, Statistic] = {}
+_NEEDS = ("batch", "pairs", "separators", "tracked")
+
+
+def _entry(name: str, needs: str) -> Statistic:
+    if needs not in _NEEDS:
+        raise ValueError(f"needs: expected one of {_NEEDS}, got {needs!r}")
+    entry = STATISTICS.setdefault(name, Statistic(name, needs))
+    if entry.needs != needs:
+        raise ValueError(f"name: {name!r} is registered with needs={entry.needs!r}")
+    return entry
+
+
+def batch_sum(name: str, shape: tuple, dtype: torch.dtype, needs: str = "batch"):
+    """Register ``fn(batch: PairBatch)`` as a batch's part of the sum ``name``.
+
+    ``shape`` in the letters L (layers), H (heads), T (tokens), V (vocabulary), S
+    (separators); the returned tensor (or :class:`ScatterAdd`) is added to the sum.
+    """
+    def register(fn):
+        entry = _entry(name, needs)
+        entry.shape, entry.dtype, entry.total = tuple(shape), dtype, fn
+        return fn
+
+    return register
+
+
+def window_sum(name: str, shape: tuple = ("L", "H"), needs: str = "batch"):
+    """Register ``fn(batch: PairBatch)`` as every window's part of the sum ``name``,
+    ``[B, *shape]`` float64 (kept with ``per_window=True``)."""
+    def register(fn):
+        entry = _entry(name, needs)
+        entry.window_shape, entry.window = tuple(shape), fn
+        return fn
+
+    return register
+
+
+# --------------------------------------------------------------------------- one batch
+
+
+class PairBatch:
+    """One batch of windows and its high-similarity pairs, as the statistics read them.
+
+    Everything several statistics share is computed once, on first use (a cached
+    property), on the device of the head outputs. The selected pairs are ``i``, ``j``
+    ``[B, L, H, k_max]`` (:func:`top_pairs`); window ``b`` keeps its first ``k[b]``
+    (:attr:`kept`), the rest are fillers ``i = j = 0``, in range for every gather.
+    """
+
+    def __init__(self, stats: SimilarityStats, result: BatchResult, layers: list,
+                 workspace: Workspace | None):
+        self.stats, self.result, self.layers, self.workspace = stats, result, layers, workspace
+        z = result.outputs
+        self.device = dev = z.device
+        self.ids = result.input_ids.to(dev)
+        self.sentence = result.sentence_ids.to(dev)
+        self.mask = result.attention_mask.to(dev).bool()
+        self.b, self.n_layers, self.n_heads, self.length, _ = z.shape
+        self.valid = self.mask & (self.sentence >= 0)  # content: not [CLS]/[SEP]/padding
+        self.n_tokens = self.valid.sum(1)
+        n_pairs = self.n_tokens * (self.n_tokens - 1) // 2  # content pairs per window
+        self.k = _k_of(n_pairs, stats.percentile)  # [B]
+        self.k_max = int(self.k.max())
+
+    # ---------------------------------------------------------------- the pairs
+
+    @cached_property
+    def _top(self):
+        k, k_max = self.k, self.k_max
+        return top_pairs(self.result.outputs, self.valid, k_max, metric=self.result.metric,
+                         return_sum=True, workspace=self.workspace,
+                         sort=bool(k.min() < k_max))  # prefixes differ
+
+    @property
+    def i(self) -> torch.Tensor:
+        return self._top[1]
+
+    @property
+    def j(self) -> torch.Tensor:
+        return self._top[2]
+
+    @cached_property
+    def similarity_sum(self) -> torch.Tensor:
+        """[L, H, T, T] sum over the batch of the zero-diagonal similarity matrices."""
+        if self.k_max > 0:
+            return self._top[3]
+        return similarity_matrices(self.result.outputs, metric=self.result.metric).sum(0)
+
+    @cached_property
+    def selected(self) -> torch.Tensor | None:
+        """[B, L, H, k_max] True for the first ``k[b]`` pairs of window b; None when every
+        window keeps all ``k_max`` (the usual case)."""
+        if bool((self.k == self.k_max).all()):
+            return None
+        sel = (torch.arange(self.k_max, device=self.device) < self.k[:, None])
+        return sel[:, None, None, :].expand(self.b, self.n_layers, self.n_heads, self.k_max)
+
+    def kept(self, m: torch.Tensor) -> torch.Tensor:
+        """``m`` [B, L, H, k_max] (bool) on the kept pairs only."""
+        return m if self.selected is None else m & self.selected
+
+    def weighed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, L, H, k_max] (numbers) times 1 on kept pairs, 0 on fillers."""
+        return x if self.selected is None else x * self.selected
+
+    @cached_property
+    def all_kept(self) -> torch.Tensor:
+        return self.kept(torch.ones_like(self.in_region))
+
+    def _gather(self, per_token: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return per_token.gather(1, at.reshape(self.b, -1)).view(at.shape)
+
+    @cached_property
+    def distance(self) -> torch.Tensor:
+        """j - i of the selected pairs."""
+        return self.j - self.i
+
+    @cached_property
+    def same_sentence(self) -> torch.Tensor:
+        return self._gather(self.sentence, self.i) == self._gather(self.sentence, self.j)
+
+    @cached_property
+    def token_i(self) -> torch.Tensor:
+        return self._gather(self.ids, self.i)
+
+    @cached_property
+    def token_j(self) -> torch.Tensor:
+        return self._gather(self.ids, self.j)
+
+    @cached_property
+    def identical(self) -> torch.Tensor:
+        return self.token_i == self.token_j
+
+    @cached_property
+    def in_region(self) -> torch.Tensor:
+        """The pair lies in the head's high-attention region, max(A_ij, A_ji) >= threshold
+        (through flat indices per layer)."""
+        b, n_h, t, dev = self.b, self.n_heads, self.length, self.device
+        window_head = (torch.arange(b, device=dev)[:, None, None] * n_h
+                       + torch.arange(n_h, device=dev)[None, :, None]) * (t * t)  # [B, H, 1]
+        i, j = self.i, self.j
+        att = torch.stack([
+            torch.maximum(a.reshape(-1).take(window_head + i[:, layer] * t + j[:, layer]),
+                          a.reshape(-1).take(window_head + j[:, layer] * t + i[:, layer]))
+            for layer, a in enumerate(self.layers)], dim=1)  # [B, L, H, k_max]
+        return att >= self.stats.attention_threshold
+
+    @cached_property
+    def outside_region(self) -> torch.Tensor:
+        """Kept pairs outside the high-attention region ("masked")."""
+        return self.kept(~self.in_region)
+
+    @cached_property
+    def layer_head(self) -> torch.Tensor:
+        """[1, L, H, 1] flat index l H + h."""
+        return torch.arange(self.n_layers * self.n_heads, device=self.device).view(
+            1, self.n_layers, self.n_heads, 1)
+
+    def distance_histogram(self, m: torch.Tensor) -> torch.Tensor:
+        """[L, H, T] counts of the pairs in ``m`` by distance (no boolean indexing: the
+        others go to a last bin that is dropped)."""
+        t = self.length
+        n_bins = self.n_layers * self.n_heads * t
+        bins = self.layer_head * t + self.distance
+        dropped = torch.full((), n_bins, dtype=bins.dtype, device=self.device)
+        return torch.bincount(torch.where(m, bins, dropped).view(-1),
+                              minlength=n_bins + 1)[:-1].view(self.n_layers, self.n_heads, t)
+
+    # ---------------------------------------------------------------- chance levels
+
+    def _by_distance(self, pairs: torch.Tensor) -> torch.Tensor:
+        """[B, T, T] bool -> [B, T] counts per distance j - i.
+
+        Pair (i, j), i < j, of the [T, T] table sits at i (T + 1) + (j - i) of its
+        flattened strict upper triangle: viewed as rows of T + 1 (after T zeros of
+        padding), column d sums the pairs at distance d (entries that wrap into the next
+        row are from the lower triangle, zero).
+        """
+        b, t = self.b, self.length
+        padded = torch.nn.functional.pad(pairs.view(b, -1).float(), (0, t))  # exact
+        return padded.view(b, t, t + 1).sum(1)[:, :t].double()
+
+    @cached_property
+    def _content_pairs(self) -> torch.Tensor:  # [B, T, T]: content pairs i < j
+        t = self.length
+        upper = torch.ones(t, t, dtype=torch.bool, device=self.device).triu(1)
+        return self.valid[:, :, None] & self.valid[:, None, :] & upper
+
+    @cached_property
+    def pairs_by_distance(self) -> torch.Tensor:
+        """[B, T] content pairs of each window at each distance."""
+        return self._by_distance(self._content_pairs)
+
+    @cached_property
+    def same_sentence_by_distance(self) -> torch.Tensor:
+        """[B, T] content pairs inside one sentence at each distance."""
+        same = self._content_pairs & (self.sentence[:, :, None] == self.sentence[:, None, :])
+        return self._by_distance(same)
+
+    @cached_property
+    def n_pairs(self) -> torch.Tensor:
+        """[B] content pairs per window (at least 1), float64."""
+        return self.pairs_by_distance.sum(1).clamp(min=1)
+
+    @cached_property
+    def same_sentence_given_distance(self) -> torch.Tensor:
+        """[B, L, H, k_max] P(same sentence | the pair's distance) in its window."""
+        q = self.same_sentence_by_distance / self.pairs_by_distance.clamp(min=1)  # [B, T]
+        return self._gather(q, self.distance)
+
+    @cached_property
+    def chance_same(self) -> torch.Tensor:
+        """[B] share of a window's content pairs inside one sentence."""
+        return self.same_sentence_by_distance.sum(1) / self.n_pairs
+
+    @cached_property
+    def chance_identical(self) -> torch.Tensor:
+        """[B] share of a window's content pairs of identical tokens."""
+        ident = self._content_pairs & (self.ids[:, :, None] == self.ids[:, None, :])
+        return torch.count_nonzero(ident.view(self.b, -1), dim=1).double() / self.n_pairs
+
+    def chance_count(self, share: torch.Tensor) -> torch.Tensor:
+        """[B, L, H]: k times a window's mean over its content pairs (``share`` [B] is the
+        sum over them)."""
+        return (self.k.double() * share / self.n_pairs)[:, None, None].expand(
+            self.b, self.n_layers, self.n_heads)
+
+    # ---------------------------------------------------------------- separators
+
+    @cached_property
+    def separator_keys(self) -> torch.Tensor:
+        """[B, T, S] key t is a separator of kind s (not padding)."""
+        sep_ids = torch.tensor(list(self.stats.separators.values()), device=self.device)
+        return (self.ids[:, :, None] == sep_ids) & self.mask[:, :, None]
+
+    @cached_property
+    def separator_attention(self) -> torch.Tensor:
+        """[B, L, H, S] attention mass from content queries onto each separator kind."""
+        key_kind = self.separator_keys
+        received = self.result.received_attention
+        if received is not None:  # [B, L, H, T] from the forward pass
+            return torch.einsum("blht,bts->blhs", received.to(self.device),
+                                key_kind.to(received.dtype)).double()
+        # per layer, the sum over all query rows minus the rows of non-content queries
+        inv_b, inv_q = (~self.valid).nonzero(as_tuple=True)
+        per_layer = []
+        for a in self.layers:
+            from_content = a.sum(2)  # [B, H, T]
+            from_content.index_add_(0, inv_b, a[inv_b, :, inv_q, :], alpha=-1)
+            per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)))
+        return torch.stack(per_layer, dim=1).double()
+
+    @cached_property
+    def tracked(self) -> torch.Tensor:
+        """[L, H] the token tracked per head."""
+        return self.stats._tracked.to(self.device)
+
+
+    @cached_property
+    def separator_attention_total(self) -> torch.Tensor:
+        """[L, H, S] the sum over the batch of :attr:`separator_attention` (straight from
+        the received attention when there is no need for the window axis)."""
+        received = self.result.received_attention
+        if received is None or self.stats.per_window:
+            return self.separator_attention.sum(0)
+        return torch.einsum("blht,bts->lhs", received.to(self.device),
+                            self.separator_keys.to(received.dtype)).double()
+
+    @cached_property
+    def chance_separator(self) -> torch.Tensor:
+        """[B, S] the separator attention of a window under uniform attention over its
+        keys: content queries times the share of separator keys."""
+        n_keys = self.mask.sum(1).double().clamp(min=1)
+        return (self.n_tokens.double()[:, None] * self.separator_keys.sum(1).double()
+                / n_keys[:, None])
+
+
+# --------------------------------------------------------------------------- the statistics
+# Corpus sums: a batch's part. Per-window sums: [B, L, H] float64 unless said.
+
+@batch_sum("n_windows", (), torch.long)
+def _n_windows(b: PairBatch):
+    return torch.tensor(b.b, device=b.device)
+
+
+@batch_sum("n_high", ("L", "H"), torch.long, needs="pairs")
+def _n_high(b: PairBatch):
+    return b.all_kept.sum((0, 3))
+
+
+@window_sum("n_high", needs="pairs")
+def _n_high_w(b: PairBatch):
+    return b.all_kept.sum(3).double()
+
+
+@batch_sum("distance_hist", ("L", "H", "T"), torch.long, needs="pairs")
+def _distance_hist(b: PairBatch):
+    return b.distance_histogram(b.all_kept)
+
+
+@batch_sum("same_sentence", ("L", "H"), torch.long, needs="pairs")
+def _same_sentence(b: PairBatch):
+    return b.kept(b.same_sentence).sum((0, 3))
+
+
+@window_sum("same_sentence", needs="pairs")
+def _same_sentence_w(b: PairBatch):
+    return b.kept(b.same_sentence).sum(3).double()
+
+
+@batch_sum("chance_same_sentence", ("L", "H"), torch.float64, needs="pairs")
+def _chance_same_sentence(b: PairBatch):
+    return (b.k.double() * b.chance_same).sum().expand(b.n_layers, b.n_heads)
+
+
+@window_sum("chance_same_sentence", needs="pairs")
+def _chance_same_sentence_w(b: PairBatch):
+    return (b.k.double() * b.chance_same)[:, None, None].expand(b.b, b.n_layers, b.n_heads)
+
+
+@batch_sum("chance_same_sentence_distance", ("L", "H"), torch.float64, needs="pairs")
+def _chance_same_sentence_distance(b: PairBatch):
+    return b.weighed(b.same_sentence_given_distance).sum((0, 3))
+
+
+@window_sum("chance_same_sentence_distance", needs="pairs")
+def _chance_same_sentence_distance_w(b: PairBatch):
+    return b.weighed(b.same_sentence_given_distance).sum(3)
+
+
+@batch_sum("identical", ("L", "H"), torch.long, needs="pairs")
+def _identical(b: PairBatch):
+    return b.kept(b.identical).sum((0, 3))
+
+
+@window_sum("identical", needs="pairs")
+def _identical_w(b: PairBatch):
+    return b.kept(b.identical).sum(3).double()
+
+
+@batch_sum("chance_identical", ("L", "H"), torch.float64, needs="pairs")
+def _chance_identical(b: PairBatch):
+    return (b.k.double() * b.chance_identical).sum().expand(b.n_layers, b.n_heads)
+
+
+@window_sum("chance_identical", needs="pairs")
+def _chance_identical_w(b: PairBatch):
+    return (b.k.double() * b.chance_identical)[:, None, None].expand(
+        b.b, b.n_layers, b.n_heads)
+
+
+@batch_sum("identical_distance_hist", ("L", "H", "T"), torch.long, needs="pairs")
+def _identical_distance_hist(b: PairBatch):
+    return b.distance_histogram(b.kept(b.identical))
+
+
+@batch_sum("token_counts", ("L", "H", "V"), torch.long, needs="pairs")
+def _token_counts(b: PairBatch):
+    # [L, H, V] is large: scattered into the sum (pairs beyond a window's k add 0)
+    vocab = b.stats.vocab_size
+    index = torch.cat([(b.layer_head * vocab + tok).reshape(-1) for tok in (b.token_i,
+                                                                            b.token_j)])
+    weights = (torch.ones(index.numel(), dtype=torch.long, device=b.device)
+               if b.selected is None else b.selected.to(torch.long).reshape(-1).repeat(2))
+    return ScatterAdd(index, weights)
+
+
+@batch_sum("corpus_token_counts", ("V",), torch.long)
+def _corpus_token_counts(b: PairBatch):
+    return torch.bincount(b.ids[b.valid], minlength=b.stats.vocab_size)
+
+
+@batch_sum("in_attention_region", ("L", "H"), torch.long, needs="pairs")
+def _in_attention_region(b: PairBatch):
+    return b.kept(b.in_region).sum((0, 3))
+
+
+@window_sum("in_attention_region", needs="pairs")
+def _in_attention_region_w(b: PairBatch):
+    return b.kept(b.in_region).sum(3).double()
+
+
+@window_sum("n_masked", needs="pairs")
+def _n_masked_w(b: PairBatch):
+    return b.outside_region.sum(3).double()
+
+
+@batch_sum("masked_distance_hist", ("L", "H", "T"), torch.long, needs="pairs")
+def _masked_distance_hist(b: PairBatch):
+    return b.distance_histogram(b.outside_region)
+
+
+@batch_sum("masked_same_sentence", ("L", "H"), torch.long, needs="pairs")
+def _masked_same_sentence(b: PairBatch):
+    return (b.same_sentence & b.outside_region).sum((0, 3))
+
+
+@window_sum("masked_same_sentence", needs="pairs")
+def _masked_same_sentence_w(b: PairBatch):
+    return (b.same_sentence & b.outside_region).sum(3).double()
+
+
+@batch_sum("masked_chance_same_sentence_distance", ("L", "H"), torch.float64, needs="pairs")
+def _masked_chance_same_sentence_distance(b: PairBatch):
+    return (b.same_sentence_given_distance * b.outside_region).sum((0, 3))
+
+
+@window_sum("masked_chance_same_sentence_distance", needs="pairs")
+def _masked_chance_same_sentence_distance_w(b: PairBatch):
+    return (b.same_sentence_given_distance * b.outside_region).sum(3)
+
+
+@window_sum("distance_sum", needs="pairs")
+def _distance_sum_w(b: PairBatch):
+    return b.weighed(b.distance).sum(3).double()  # fillers sit at distance 0
+
+
+@window_sum("chance_distance_sum", needs="pairs")
+def _chance_distance_sum_w(b: PairBatch):
+    d = torch.arange(b.length, device=b.device, dtype=torch.float64)
+    return b.chance_count((b.pairs_by_distance * d).sum(1))
+
+
+@window_sum("short_range", needs="pairs")
+def _short_range_w(b: PairBatch):
+    return b.kept((b.distance >= 1) & (b.distance <= SHORT_RANGE)).sum(3).double()
+
+
+@window_sum("chance_short_range", needs="pairs")
+def _chance_short_range_w(b: PairBatch):
+    return b.chance_count(b.pairs_by_distance[:, 1:SHORT_RANGE + 1].sum(1))
+
+
+@window_sum("long_range", needs="pairs")
+def _long_range_w(b: PairBatch):
+    return b.kept(b.distance > LONG_RANGE).sum(3).double()
+
+
+@window_sum("chance_long_range", needs="pairs")
+def _chance_long_range_w(b: PairBatch):
+    return b.chance_count(b.pairs_by_distance[:, LONG_RANGE + 1:].sum(1))
+
+
+@window_sum("identical_long_range", needs="pairs")
+def _identical_long_range_w(b: PairBatch):
+    return b.kept(b.identical & (b.distance > LONG_RANGE)).sum(3).double()
+
+
+@batch_sum("separator_attention", ("L", "H", "S"), torch.float64, needs="separators")
+def _separator_attention(b: PairBatch):
+    return b.separator_attention_total
+
+
+@window_sum("separator_attention", ("L", "H", "S"), needs="separators")
+def _separator_attention_w(b: PairBatch):
+    return b.separator_attention
+
+
+@batch_sum("chance_separator", ("S",), torch.float64, needs="separators")
+def _chance_separator(b: PairBatch):
+    return b.chance_separator.sum(0)
+
+
+@window_sum("chance_separator", ("S",), needs="separators")
+def _chance_separator_w(b: PairBatch):
+    return b.chance_separator
+
+
+@batch_sum("n_queries", (), torch.long)
+def _n_queries(b: PairBatch):
+    return b.n_tokens.sum()
+
+
+@window_sum("n_queries", ())
+def _n_queries_w(b: PairBatch):
+    return b.n_tokens.double()
+
+
+@batch_sum("similarity_sum", ("L", "H", "T", "T"), torch.float64)
+def _similarity_sum(b: PairBatch):
+    # through a kept float64 buffer: a fresh one per batch would be page-faulted in
+    # every time
+    sums = b.similarity_sum
+    wide = work_buffer(b.workspace, "similarity_sum_float64", sums.numel(), torch.float64,
+                       b.stats.device)
+    return wide.view(sums.shape).copy_(sums)
+
+
+@window_sum("tracked_endpoints", needs="tracked")
+def _tracked_endpoints_w(b: PairBatch):
+    if b.k_max == 0:
+        return torch.zeros(b.b, b.n_layers, b.n_heads, dtype=torch.float64, device=b.device)
+    tracked = b.tracked.view(1, b.n_layers, b.n_heads, 1)
+    return (b.kept(b.token_i == tracked).sum(3) + b.kept(b.token_j == tracked).sum(3)).double()
+
+
+@window_sum("tracked_content", needs="tracked")
+def _tracked_content_w(b: PairBatch):
+    tracked = b.tracked.view(1, 1, -1)
+    return ((b.ids[:, :, None] == tracked) & b.valid[:, :, None]).sum(1).double().view(
+        b.b, b.n_layers, b.n_heads)
+
+
+@dataclass
+class SimilarityStats:
+    """Streaming statistics of context similarity over windows; every field is a sum.
+
+    Configuration (must agree to merge): ``n_layers``, ``n_heads``, ``length`` (tokens per
+    window), ``vocab_size``, ``percentile`` (top per cent of the off-diagonal content pairs
+    ``i < j`` of a window and head, called "high similarity"), ``attention_threshold``
+    (a pair is in the head's high-attention region when ``max(A_ij, A_ji)`` reaches it; the
+    maps are normalised, rows sum to 1), ``separators`` (name -> token id).
+
+    Sums, per layer ``l`` and head ``h`` ([L, H] unless said), over all windows:
+
+    - ``n_windows``; ``n_high``: high-similarity pairs;
+    - ``distance_hist`` [L, H, T]: their token distances ``j - i``;
+    - ``same_sentence``: those inside one sentence; ``chance_same_sentence``: expected
+      count if the high pairs were drawn uniformly from the window's content pairs
+      (``k * sum_s n_s(n_s-1) / (N(N-1))`` per window, sentence lengths ``n_s``);
+      ``chance_same_sentence_distance``: expected count for pairs drawn at the same
+      distances (sum over high pairs of P(same sentence | distance) in that window);
+    - ``identical``: high pairs of identical tokens, ``chance_identical`` its uniform
+      expectation, ``identical_distance_hist`` [L, H, T];
+    - ``token_counts`` [L, H, V]: how often each vocabulary token is an endpoint of a high
+      pair; ``corpus_token_counts`` [V]: content-token frequencies;
+    - ``in_attention_region``: high pairs inside the high-attention region; ``masked_*``:
+      distance histogram, same-sentence count and distance-matched chance of the high
+      pairs outside it ("masking the high-attention regions");
+    - ``separator_attention`` [L, H, S]: attention mass from content queries onto each
+      separator token kind; ``chance_separator`` [S]: the same under uniform attention;
+      ``n_queries``;
+    - ``similarity_sum`` [L, H, T, T]: sum of the zero-diagonal similarity matrices (all
+      tokens, computed as one product over the batch: no T x T matrix per window).
+
+    ``update`` never forms the ``[B, L, H, T, T]`` similarity tensor (see
+    :func:`top_pairs`); its cost is a fraction of the forward pass. ``merge`` and
+    :meth:`all_reduce` add sums, so the statistics of a sharded corpus equal those of one
+    pass.
+
+    Per-window contributions (``per_window=True``), for intervals: every window's own
+    share of the ``[L, H]`` sums is kept as well (:meth:`window_sums`, names in
+    ``_WINDOW_SUMS``, leading dimension W in the order the windows were added), so that a
+    bootstrap over windows (:meth:`window_bootstrap`) can resample any ratio of sums. Besides
+    the ``[L, H]`` sums above they hold ``n_masked`` (high pairs outside the attention
+    region), ``distance_sum`` (sum of ``j - i``), ``short_range`` / ``long_range`` (high
+    pairs with ``j - i <= SHORT_RANGE`` / ``> LONG_RANGE``; ``identical_long_range``: the
+    identical-token ones among the latter) and their uniform chance
+    counts ``chance_distance_sum``, ``chance_short_range``, ``chance_long_range`` (``k``
+    times the window's mean over its content pairs), ``separator_attention`` [W, L, H, S],
+    ``chance_separator`` [W, S], ``n_queries`` [W] (content tokens). With
+    :meth:`track_tokens` ``(ids [L, H])`` also ``tracked_endpoints`` (endpoints of head
+    ``(l, h)``'s high pairs that are token ``ids[l, h]``) and ``tracked_content`` (content
+    tokens of the window equal to ``ids[l, h]``), for a held-out token lift. The cost is a
+    few reductions over the ``[B, L, H, k]`` selected pairs; nothing changes when it is off.
+    """
+
+    n_layers: int
+    n_heads: int
+    length: int
+    vocab_size: int
+    percentile: float = 1.0
+    attention_threshold: float = 0.1
+    separators: dict = field(default_factory=dict)
+    per_window: bool = False
+    device: str | torch.device = "cpu"
+
+    # every registered sum (name: (shape letters, dtype)), per-window sums (name: shape
+    # after the window axis W) and the per-window sums of tracked tokens, from STATISTICS
+    _SUMS: ClassVar[dict] = {s.name: (s.shape, s.dtype) for s in STATISTICS.values()
+                             if s.total is not None}
+    _WINDOW_SUMS: ClassVar[dict] = {s.name: s.window_shape for s in STATISTICS.values()
+                                    if s.window is not None and s.needs != "tracked"}
+    _TRACKED_SUMS: ClassVar[tuple] = tuple(s.name for s in STATISTICS.values()
+                                           if s.needs == "tracked")
+
+    def __post_init__(self):
+        for name in ("n_layers", "n_heads", "length", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.length < 2:
+            raise ValueError(f"length: expected >= 2 tokens, got {self.length}")
+        if not isinstance(self.percentile, (int, float)) or not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")
+        if (not isinstance(self.attention_threshold, (int, float))
+                or not 0 < self.attention_threshold <= 1):
+            raise ValueError("attention_threshold: expected a probability in (0, 1], got "
+                             f"{self.attention_threshold!r}")
+        if not isinstance(self.per_window, bool):
+            raise TypeError(f"per_window: expected a bool, got {self.per_window!r}")
+        self.separators = {str(k): int(v) for k, v in dict(self.separators).items()}
+        self.device = torch.device(self.device)
+        self._workspace = Workspace()  # buffers reused between batches (not statistics)
+        self._windows: dict[str, list[torch.Tensor]] = {}  # per-window parts, by batch
+        self._tracked: torch.Tensor | None = None
+        dims = {"L": self.n_layers, "H": self.n_heads, "T": self.length,
+                "V": self.vocab_size, "S": len(self.separators)}
+        for name, (shape, dtype) in self._SUMS.items():
+            setattr(self, name, torch.zeros(tuple(dims[s] for s in shape), dtype=dtype,
+                                            device=self.device))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def config(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "device"}
+
+    def _check_compatible(self, other: SimilarityStats) -> None:
+        if not isinstance(other, SimilarityStats):
+            raise TypeError(f"other: expected SimilarityStats, got {type(other).__name__}")
+        if other.config() != self.config():
+            raise ValueError(
+                f"other: configuration differs, expected {self.config()}, got {other.config()}"
+            )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The summed statistics, by name."""
+        return {name: getattr(self, name) for name in self._SUMS}
+
+    def copy(self) -> SimilarityStats:
+        return self.to(self.device)
+
+    def to(self, device) -> SimilarityStats:
+        """A copy on ``device``."""
+        new = SimilarityStats(**self.config(), device=device)
+        for name, t in self.tensors().items():
+            setattr(new, name, t.to(new.device, copy=True))
+        if self._tracked is not None:
+            new._tracked = self._tracked.to(new.device, copy=True)
+        new._windows = {name: [t.to(new.device, copy=True) for t in parts]
+                        for name, parts in self._windows.items()}
+        return new
+
+    def merge(self, other: SimilarityStats) -> SimilarityStats:
+        """Add ``other``'s sums into ``self`` (in place) and return ``self``.
+
+        Per-window contributions are concatenated (``self``'s windows first). The tracked
+        counts (:meth:`track_tokens`) survive only when both track the same tokens;
+        otherwise the merged statistics track none.
+        """
+        self._check_compatible(other)
+        for name, t in self.tensors().items():
+            t += getattr(other, name).to(t.device)
+        same_tracked = (self._tracked is not None and other._tracked is not None
+                        and torch.equal(self._tracked, other._tracked.to(self._tracked.device)))
+        if not same_tracked:
+            self._tracked = None
+        for name in list(self._windows):
+            if name in self._TRACKED_SUMS and not same_tracked:
+                del self._windows[name]
+                continue
+            self._windows[name] = (self._windows[name]
+                                   + [t.to(self.device) for t in other._windows.get(name, [])])
+        return self
+
+    def track_tokens(self, token_ids: torch.Tensor | None) -> SimilarityStats:
+        """Count, per window, head ``(l, h)``'s high-pair endpoints that are token
+        ``token_ids[l, h]``, and that token's content occurrences (needs ``per_window``).
+
+        For a held-out lift: choose each head's token on some windows, track it on others;
+        ``None`` stops tracking. Returns self.
+        """
+        if not self.per_window:
+            raise ValueError("token_ids: tracking tokens needs per_window=True")
+        if token_ids is None:
+            self._tracked = None
+            for name in self._TRACKED_SUMS:
+                self._windows.pop(name, None)
+            return self
+        if (not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point()
+                or tuple(token_ids.shape) != (self.n_layers, self.n_heads)):
+            raise TypeError(f"token_ids: expected an integer tensor [{self.n_layers}, "
+                            f"{self.n_heads}] of token ids, got {token_ids!r}")
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size:
+            raise ValueError(f"token_ids: expected ids in [0, {self.vocab_size})")
+        if int(self.n_windows) > 0:
+            raise ValueError("token_ids: set the tracked tokens before the first update")
+        self._tracked = token_ids.to(device=self.device, dtype=torch.long).clone()
+        return self
+
+    def window_sums(self) -> dict[str, torch.Tensor]:
+        """The per-window contributions, name -> [W, ...] float64 (see the class notes)."""
+        if not self.per_window:
+            raise ValueError("stats: per-window contributions need per_window=True")
+        self._need_data()
+        out = {}
+        for name, parts in self._windows.items():
+            if len(parts) > 1:
+                self._windows[name] = parts = [torch.cat(parts)]
+            out[name] = parts[0]
+        return out
+
+    def window_bootstrap(self, reps: int = 1000, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Resampled sums, name -> [reps, ...]: windows drawn with replacement.
+
+        Replicate ``r`` weighs window ``w`` by how often it was drawn (the same draws for
+        every name, so ratios of sums are paired), i.e. the nonparametric bootstrap over
+        windows of every sum in :meth:`window_sums`.
+        """
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise ValueError(f"reps: expected a positive int, got {reps!r}")
+        sums = self.window_sums()
+        n = int(sums["n_queries"].shape[0])
+        gen = torch.Generator().manual_seed(int(seed))
+        draws = torch.randint(n, (reps, n), generator=gen)
+        weights = torch.zeros(reps, n, dtype=torch.float64).scatter_add_(
+            1, draws, torch.ones(reps, n, dtype=torch.float64))
+        return {name: (weights @ t.cpu().reshape(n, -1)).view(reps, *t.shape[1:])
+                for name, t in sums.items()}
+
+    def all_reduce(self, group=None) -> SimilarityStats:
+        """Sum the statistics over all ranks of ``group`` (torch.distributed), in place.
+
+        With the NCCL backend the sums travel through the current CUDA device and are put
+        back where they were.
+        """
+        import torch.distributed as dist
+
+        backend = dist.get_backend(group)
+        if self._windows:
+            # Per-window parts, one per batch: rank r holds batches r, r + W, r + 2W, ...
+            # (analyse_corpus), so interleaving the ranks' lists restores the windows'
+            # order, and a bootstrap over windows is the single-process one.
+            mine = {name: [t.cpu() for t in parts] for name, parts in self._windows.items()}
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            longest = max(len(parts) for g in gathered for parts in g.values())
+            self._windows = {
+                name: [torch.cat([g[name][j] for j in range(longest) for g in gathered
+                                  if j < len(g[name])]).to(self.device)]
+                for name in mine}
+        for t in self.tensors().values():
+            if backend == "nccl" and t.device.type != "cuda":
+                buf = t.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+                t.copy_(buf)
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return self
+
+    def state_dict(self) -> dict:
+        state = {"config": self.config(),
+                 "sums": {k: v.cpu() for k, v in self.tensors().items()}}
+        if self._windows:
+            state["windows"] = {name: torch.cat(parts).cpu()
+                                for name, parts in self._windows.items()}
+        if self._tracked is not None:
+            state["tracked_tokens"] = self._tracked.cpu()
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device="cpu") -> SimilarityStats:
+        new = cls(**state["config"], device=device)
+        for name, t in state["sums"].items():
+            getattr(new, name).copy_(t)
+        new._windows = {name: [t.to(new.device)] for name, t in state.get("windows", {}).items()}
+        if state.get("tracked_tokens") is not None:
+            new._tracked = state["tracked_tokens"].to(new.device)
+        return new
+
+    # ------------------------------------------------------------------ update
+
+    def _validate(self, batch_result):
+        if not isinstance(batch_result, BatchResult):
+            raise TypeError(
+                f"batch_result: expected a BatchResult (analyse_batch), got "
+                f"{type(batch_result).__name__}"
+            )
+        z = batch_result.outputs
+        n_l, n_h, t_len = self.n_layers, self.n_heads, self.length
+        if not isinstance(z, torch.Tensor) or z.dim() != 5 or tuple(z.shape[1:4]) != (
+                n_l, n_h, t_len):
+            got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+            raise ValueError(
+                f"batch_result.outputs: expected [B, {n_l}, {n_h}, {t_len}, d], got {got}")
+        b = z.shape[0]
+        attn = batch_result.attentions
+        layers = list(attn.unbind(1)) if isinstance(attn, torch.Tensor) else list(attn)
+        if len(layers) != n_l or any(tuple(a.shape) != (b, n_h, t_len, t_len) for a in layers):
+            raise ValueError(
+                "batch_result.attentions: expected [B, L, H, T, T] or L tensors [B, H, T, T] "
+                f"with B={b}, L={n_l}, H={n_h}, T={t_len}")
+        for name in ("input_ids", "sentence_ids", "attention_mask"):
+            t = getattr(batch_result, name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, t_len):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"batch_result.{name}: expected shape {(b, t_len)}, got {got}")
+        received = batch_result.received_attention
+        if received is not None and (not isinstance(received, torch.Tensor) or tuple(
+                received.shape) != (b, n_l, n_h, t_len)):
+            got = tuple(received.shape) if isinstance(received, torch.Tensor) else type(
+                received).__name__
+            raise ValueError("batch_result.received_attention: expected shape "
+                             f"{(b, n_l, n_h, t_len)} or None, got {got}")
+        ids = batch_result.input_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(
+                f"batch_result.input_ids: token ids must lie in [0, {self.vocab_size})")
+        return layers
+
+
+    @torch.no_grad()
+    def update(self, batch_result: BatchResult,
+               workspace: Workspace | None = None) -> SimilarityStats:
+        """Add one batch of windows (see :func:`analyse_batch`) to the sums; returns self.
+
+        The tensors of ``batch_result`` may live on any device; the work happens on the
+        device of the outputs and the sums are added on ``self.device``. ``workspace``:
+        where the work buffers are kept (default: the statistics' own).
+        """
+        layers = self._validate(batch_result)
+        batch = PairBatch(self, batch_result, layers,
+                          self._workspace if workspace is None else workspace)
+        for stat in STATISTICS.values():
+            if stat.total is None or not self._computed(stat, batch):
+                continue
+            value, total = stat.total(batch), getattr(self, stat.name)
+            if isinstance(value, ScatterAdd):
+                total.view(-1).index_add_(0, value.index.to(total.device),
+                                          value.weights.to(total.device, total.dtype))
+            else:
+                total += value.to(device=total.device, dtype=total.dtype)
+        if not self.per_window:
+            return self
+        dims = {"L": self.n_layers, "H": self.n_heads, "S": len(self.separators)}
+        for stat in STATISTICS.values():
+            if stat.window is None or (stat.needs == "tracked" and self._tracked is None):
+                continue
+            if self._computed(stat, batch):
+                value = stat.window(batch)
+            else:  # no content pairs or no separators: zeros
+                value = torch.zeros((batch.b, *(dims[s] for s in stat.window_shape)),
+                                    dtype=torch.float64, device=batch.device)
+            self._windows.setdefault(stat.name, []).append(value.to(self.device))
+        return self
+
+    def _computed(self, stat: Statistic, batch: PairBatch) -> bool:
+        """Whether ``stat`` has anything to count in ``batch``."""
+        if stat.needs == "pairs":
+            return batch.k_max > 0
+        if stat.needs == "separators":
+            return bool(self.separators)
+        if stat.needs == "tracked":
+            return self._tracked is not None
+        return True
+
+    # ------------------------------------------------------------------ results
+
+    def _need_data(self):
+        if int(self.n_high.sum()) == 0:
+            raise ValueError("stats: no windows analysed yet (call update first)")
+
+    def distance_distribution(self, masked: bool = False) -> torch.Tensor:
+        """[L, H, T] distribution of distances ``j - i`` (index 0 unused) of high pairs."""
+        self._need_data()
+        h = (self.masked_distance_hist if masked else self.distance_hist).double()
+        return h / h.sum(-1, keepdim=True).clamp(min=1)
+
+    def same_sentence_fraction(self, masked: bool = False) -> torch.Tensor:
+        """[L, H] fraction of high-similarity pairs inside one sentence."""
+        self._need_data()
+        if masked:
+            n = self.masked_distance_hist.sum(-1).double()
+            return self.masked_same_sentence.double() / n.clamp(min=1)
+        return self.same_sentence.double() / self.n_high.double().clamp(min=1)
+
+    def same_sentence_chance(self, kind: str = "sentence_lengths",
+                             masked: bool = False) -> torch.Tensor:
+        """[L, H] chance level of :meth:`same_sentence_fraction`.
+
+        ``kind="sentence_lengths"``: pairs drawn uniformly from the window's content pairs
+        (depends only on the sentence lengths); ``kind="distance_matched"``: pairs drawn
+        at the same distances as the observed high pairs.
+        """
+        self._need_data()
+        if kind == "sentence_lengths":
+            if masked:
+                raise ValueError("masked: only the distance-matched chance exists for masked pairs")
+            return self.chance_same_sentence / self.n_high.double().clamp(min=1)
+        if kind == "distance_matched":
+            if masked:
+                n = self.masked_distance_hist.sum(-1).double()
+                return self.masked_chance_same_sentence_distance / n.clamp(min=1)
+            return self.chance_same_sentence_distance / self.n_high.double().clamp(min=1)
+        raise ValueError(f"kind: expected 'sentence_lengths' or 'distance_matched', got {kind!r}")
+
+    def identical_fraction(self) -> torch.Tensor:
+        """[L, H] fraction of high pairs whose two tokens are identical."""
+        self._need_data()
+        return self.identical.double() / self.n_high.double().clamp(min=1)
+
+    def identical_chance(self) -> torch.Tensor:
+        """[L, H] fraction of identical-token pairs among all content pairs (chance)."""
+        self._need_data()
+        return self.chance_identical / self.n_high.double().clamp(min=1)
+
+    def most_common_tokens(self, top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's ``top`` most frequent tokens among high-pair endpoints.
+
+        Returns (ids [L, H, top], share [L, H, top]) with share = count / (2 * n_high).
+        """
+        self._need_data()
+        counts, idx = self.token_counts.topk(top, dim=-1)
+        return idx, counts.double() / (2 * self.n_high.double()).clamp(min=1)[..., None]
+
+    def token_lift(self) -> torch.Tensor:
+        """[L, H, V] token share among high-pair endpoints over its corpus share."""
+        self._need_data()
+        share = self.token_counts.double() / (2 * self.n_high.double()).clamp(min=1)[..., None]
+        base = self.corpus_token_counts.double() / self.corpus_token_counts.sum().clamp(min=1)
+        return share / base.clamp(min=1e-12)
+
+    def separator_attention_mean(self) -> torch.Tensor:
+        """[L, H, S] mean attention mass of a content query on each separator kind."""
+        self._need_data()
+        return self.separator_attention / self.n_queries.double().clamp(min=1)
+
+    def separator_attention_chance(self) -> torch.Tensor:
+        """[S] the same under uniform attention over the window's keys."""
+        self._need_data()
+        return self.chance_separator / self.n_queries.double().clamp(min=1)
+
+    def attention_region_fraction(self) -> torch.Tensor:
+        """[L, H] fraction of high-similarity pairs inside the high-attention region."""
+        self._need_data()
+        return self.in_attention_region.double() / self.n_high.double().clamp(min=1)
+
+    def mean_similarity(self) -> torch.Tensor:
+        """[L, H, T, T] mean similarity matrix over windows (zero diagonal)."""
+        self._need_data()
+        return self.similarity_sum / self.n_windows.double()
+
