@@ -39,6 +39,10 @@ import warnings
 
 import torch
 
+# its old home: still importable from here until tests/test_bad_inputs.py imports it from
+# companion.sbm (the dense reference lives in companion.sbm.reference)
+from companion.sbm.reference import dense_masked_attention  # noqa: F401
+
 __all__ = ["edge_attention", "EdgeGraph", "attention_on_graph", "stable_argsort"]
 
 
