@@ -125,15 +125,16 @@ def top_pairs_reference(similarity: torch.Tensor, valid: torch.Tensor, k: int):
     values = torch.full((b, n_layers, n_heads, k), float("-inf"), dtype=similarity.dtype)
     first = torch.zeros(b, n_layers, n_heads, k, dtype=torch.long)
     second = torch.zeros(b, n_layers, n_heads, k, dtype=torch.long)
-    sims = similarity.detach().cpu()
+    sims = similarity.detach().cpu().tolist()  # nested lists: sims[w][l][h][i][j]
     for w in range(b):
         tokens = [p for p in range(t) if bool(valid[w, p])]
         pairs = [(i, j) for a, i in enumerate(tokens) for j in tokens[a + 1:]]
         for layer in range(n_layers):
             for h in range(n_heads):
-                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
+                s = sims[w][layer][h]
+                ranked = sorted(pairs, key=lambda p: -s[p[0]][p[1]])
                 for slot, (i, j) in enumerate(ranked[:k]):
-                    values[w, layer, h, slot] = sims[w, layer, h, i, j]
+                    values[w, layer, h, slot] = s[i][j]
                     first[w, layer, h, slot], second[w, layer, h, slot] = i, j
     dev = similarity.device
     return values.to(dev), first.to(dev), second.to(dev)
@@ -176,6 +177,7 @@ def stats_reference(result, percentile: float, threshold: float, separators: dic
     metric = None if result.metric is None else result.metric.double()
     sims = similarity_reference(z, metric).cpu()
     out["similarity_sum"] = sims.sum(0)
+    sims_list = sims.tolist()
     z, attn, ids, sent, mask = z.cpu(), attn.cpu(), ids.cpu(), sent.cpu(), mask.cpu()
     for w in range(b):
         valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
@@ -203,7 +205,7 @@ def stats_reference(result, percentile: float, threshold: float, separators: dic
                         float(attn[w, layer, h, qq, kk]) for qq in valid for kk in keys)
         for layer in range(n_l):
             for h in range(n_h):
-                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
+                ranked = sorted(pairs, key=lambda p: -sims_list[w][layer][h][p[0]][p[1]])
                 out["chance_same_sentence"][layer, h] += k * p_same
                 out["chance_identical"][layer, h] += k * p_ident
                 for i, j in ranked[:k]:
@@ -240,7 +242,7 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
     attn = (torch.stack(attn, 1) if isinstance(attn, (tuple, list)) else attn).double()
     b, n_l, n_h, t, _ = z.shape
     metric = None if result.metric is None else result.metric.double()
-    sims = similarity_reference(z, metric).cpu()
+    sims_list = similarity_reference(z, metric).cpu().tolist()
     attn, ids, sent, mask, tracked = attn.cpu(), ids.cpu(), sent.cpu(), mask.cpu(), tracked.cpu()
     names = ["n_high", "same_sentence", "chance_same_sentence",
              "chance_same_sentence_distance", "identical", "chance_identical",
@@ -282,7 +284,7 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
         for layer in range(n_l):
             for h in range(n_h):
                 o = {n: 0.0 for n in names + ["tracked_endpoints"]}
-                ranked = sorted(pairs, key=lambda p: -float(sims[w, layer, h, p[0], p[1]]))
+                ranked = sorted(pairs, key=lambda p: -sims_list[w][layer][h][p[0]][p[1]])
                 for i, j in ranked[:k]:
                     dd = j - i
                     region = max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold
