@@ -10,7 +10,7 @@ numpy or the standard library: a bare ``IndexError``/``RuntimeError`` from an op
 Groups (the ``group`` field): dtype, shape, device, nan, negative, empty, unknown name,
 type, missing path, corrupt record. ``CLI_ROWS`` feed ``python -m companion`` (in-process
 through ``companion.book.cli.main``) and expect exit code 2 and a message on stderr.
-Calls that write files (provenance.save_figure / save_table / claim) are checked to
+Calls that write files (records.save_figure / save_table / claim) are checked to
 leave nothing behind. Damaged records (a truncated corpus file, claim/figure sidecars, a
 run record) name the file and how to regenerate it, or, for the run record, count as no
 record with a warning.
@@ -33,7 +33,7 @@ from companion.sbm import graph_attention as EA
 from companion.hasse import masked_transformer as MT
 from companion.hasse import masks as M
 from companion.hasse import reachability as RR
-from companion.book import provenance as prov
+from companion.book import chapter as book_chapter, claims as book_claims
 from companion import sbm
 from companion.hasse import task_merge as T
 from companion._validate import check_choice, check_int, check_number, check_tensor
@@ -319,8 +319,8 @@ ROWS = [
         lambda: devices.resolve_device("tpu"), ValueError,
         r"^device: expected one of \('auto', 'cpu', 'cuda'\) or 'cuda:N', got 'tpu'$"),
     Row("devices.resolve_device float", "type", lambda: devices.resolve_device(1.5), TypeError,
-        r"^device: expected one of \('auto', 'cpu', 'cuda'\), 'cuda:N' or a torch\.device, "
-        r"got float$"),
+        r"^device: expected one of \('auto', 'cpu', 'cuda'\), 'cuda:N', a torch\.device or "
+        r"None, got 1\.5 \(float\)$"),
     Row("devices.resolve_device cuda", "device", lambda: devices.resolve_device("cuda"),
         ValueError, r"^device: 'cuda' was requested but CUDA is not available here$"),
     # ------------------------------------------------------------------ corpora
@@ -497,15 +497,15 @@ ROWS = [
     Row("masked_transformer.flex_vs_sdpa n_heads 0", "negative",
         lambda: MT.flex_vs_sdpa(M.causal_mask_mod, M.causal(4), n_heads=0), ValueError,
         r"^n_heads: expected an int >= 1, got 0$"),
-    # ------------------------------------------------------------------ provenance
-    Row("provenance.begin_chapter float seed", "type",
-        lambda: prov.begin_chapter("x", scale="smoke", seed=1.5, device="cpu"), TypeError,
+    # ------------------------------------------------------------------ book
+    Row("chapter.begin_chapter float seed", "type",
+        lambda: book_chapter.begin_chapter("x", scale="smoke", seed=1.5, device="cpu"), TypeError,
         r"^seed: expected an int, got 1\.5 \(float\)$"),
-    Row("provenance.begin_chapter unknown scale", "unknown name",
-        lambda: prov.begin_chapter("x", scale="huge", seed=0, device="cpu"), ValueError,
+    Row("chapter.begin_chapter unknown scale", "unknown name",
+        lambda: book_chapter.begin_chapter("x", scale="huge", seed=0, device="cpu"), ValueError,
         r"^scale: expected one of \('smoke', 'ci', 'paper'\), got 'huge'$"),
-    Row("provenance.judge_claim str tolerance", "type",
-        lambda: prov.judge_claim(1.0, 1.0, "abc", "abs"), TypeError,
+    Row("claims.judge_claim str tolerance", "type",
+        lambda: book_claims.judge_claim(1.0, 1.0, "abc", "abs"), TypeError,
         r"^tolerance: expected a number >= 0, got 'abc' \(str\)$"),
     # ------------------------------------------------------------------ context_similarity
     Row("context_similarity.similarity_matrices 4-D", "shape",
@@ -773,15 +773,15 @@ def test_truncated_run_record_counts_as_no_record(demo_project):
 # ------------------------------------------------------------------ writers leave nothing
 @pytest.fixture
 def chapter_dir(tmp_path, monkeypatch):
-    from companion.book import provenance as prov
+    from companion.book import chapter
 
     out = tmp_path / "assets"
-    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(out))
-    monkeypatch.delenv(prov.ENV_CHAPTER, raising=False)
-    before = prov._ACTIVE
-    prov.begin_chapter("bad_inputs", scale="smoke", seed=0, device="cpu")
+    monkeypatch.setenv(chapter.ENV_OUTPUT_DIR, str(out))
+    monkeypatch.delenv(chapter.ENV_CHAPTER, raising=False)
+    before = chapter._ACTIVE
+    chapter.begin_chapter("bad_inputs", scale="smoke", seed=0, device="cpu")
     yield out
-    prov._ACTIVE = before
+    chapter._ACTIVE = before
 
 
 def _figure():
@@ -859,16 +859,16 @@ WRITER_ROWS = [
 @pytest.mark.parametrize("name, call, exc, match", WRITER_ROWS,
                          ids=[r[0] for r in WRITER_ROWS])
 def test_writers_reject_bad_input_and_write_nothing(chapter_dir, name, call, exc, match):
-    from companion.book import provenance as prov
+    from companion.book import chapter, records
 
     with pytest.raises(exc, match=match) as excinfo:
-        call(prov)
+        call(records)
     assert _raised_in_library(excinfo)
     written = [p for p in chapter_dir.rglob("*") if p.is_file()] if chapter_dir.exists() else []
     assert written == [], f"a rejected call left files behind: {written}"
     # the id stays free: under the runner a corrected retry with the same id must not be
     # refused as "already used"
-    assert prov.active_chapter().used_ids == {}
+    assert chapter.active_chapter().used_ids == {}
 
 
 # ------------------------------------------------------------------ CLI

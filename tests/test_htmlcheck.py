@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from companion.book import provenance
+from companion.book import citations
 from companion.book.htmlcheck import (cite_line_problems, cite_lines, is_chapter_page, local_paths,
                                  numbered_items, page_problems, parameters_cell_problems,
                                  sideways_problem)
@@ -31,7 +31,7 @@ def _table(item_id: str) -> str:
 def _line(item_id: str, kind: str = "figure", base: str = "../assets/demo/figures") -> str:
     files = {"figure": ("png", "svg", "pdf"), "table": ("csv", "md")}[kind]
     item = {"id": item_id, "type": kind, "files": {f: {} for f in files}}
-    return provenance.cite_line(item, base, "@misc{x,\n  title = {T}\n}")
+    return citations.cite_line(item, base, "@misc{x,\n  title = {T}\n}")
 
 
 def _cell(tag: str) -> str:

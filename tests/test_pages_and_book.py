@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from companion.book import pages
-from companion.book import provenance
+from companion.book import citations
 from companion.book import runner
 from companion.book import site
 from companion.book.htmlcheck import check_book
@@ -59,7 +59,7 @@ def test_generated_pages_list_figures_and_claims(demo_project):
     folder = p.assets("demo") / "figures"
     side = json.loads((folder / "demo-random-walk.json").read_text())
     written = (folder / "demo-random-walk.bib").read_text()
-    assert written == provenance.bibtex_entry(side) + "\n"
+    assert written == citations.bibtex_entry(side) + "\n"
     assert html.escape(written.strip()).replace("\n", "\n    ") in table, (
         "the entry, indented in its table cell")
     assert side["files"]["bib"]["sha256"] == hashlib.sha256(written.encode()).hexdigest()
@@ -200,7 +200,7 @@ def test_bibtex_entry_names_commit_and_figure():
 def test_bibtex_entry_of_the_repository_and_of_a_table():
     """Default metadata: the repository's CITATION.cff and _config.yml address."""
     table = {**SIDECAR, "id": "demo-t", "type": "table", "git_commit": "unknown"}
-    _, parsed = _parse_bibtex(provenance.bibtex_entry(table))
+    _, parsed = _parse_bibtex(citations.bibtex_entry(table))
     assert parsed.fields["title"].endswith("table \\texttt{demo-t}")
     # No commit to point at: the url is the repository itself.
     assert parsed.fields["url"] == site.repository_url(REPO)
@@ -215,7 +215,7 @@ def test_bibtex_entry_of_the_repository_and_of_a_table():
     ("Unbalanced } and { braces", "Unbalanced and braces"),
 ])
 def test_bibtex_fields_survive_latex_specials(caption, expected):
-    entry = provenance.bibtex_entry({**SIDECAR, "caption": caption}, {}, "")
+    entry = citations.bibtex_entry({**SIDECAR, "caption": caption}, {}, "")
     _, parsed = _parse_bibtex(entry)  # parses: braces balanced
     assert parsed.fields["note"].endswith(expected), parsed.fields["note"]
     assert "url" not in parsed.fields
@@ -223,14 +223,14 @@ def test_bibtex_fields_survive_latex_specials(caption, expected):
 
 def test_bibtex_entry_rejects_what_is_not_a_sidecar():
     with pytest.raises(ValueError, match="item: expected a figure or table sidecar"):
-        provenance.bibtex_entry({"caption": "no id"}, {}, "")
+        citations.bibtex_entry({"caption": "no id"}, {}, "")
 
 
 def test_cite_line_links_every_file_and_folds_the_entry():
     from companion.book.htmlcheck import cite_line_problems, cite_lines
 
-    entry = provenance.bibtex_entry(SIDECAR, {}, "")
-    line = provenance.cite_line(SIDECAR, "../assets/demo/figures", entry)
+    entry = citations.bibtex_entry(SIDECAR, {}, "")
+    line = citations.cite_line(SIDECAR, "../assets/demo/figures", entry)
     assert "\n\n" not in line, "one HTML block: Markdown must not split it"
     assert line.startswith('<details class="cite-line" data-cite-for="demo-x">')
     links = cite_lines(line)["demo-x"]
@@ -241,7 +241,7 @@ def test_cite_line_links_every_file_and_folds_the_entry():
               '</figcaption></figure>')
     assert cite_line_problems(figure + line) == []
     table = {**SIDECAR, "id": "demo-t", "type": "table", "files": {"csv": {}, "md": {}}}
-    tline = provenance.cite_line(table, "t", entry)
+    tline = citations.cite_line(table, "t", entry)
     assert cite_lines(tline)["demo-t"] == ["t/demo-t.csv", "t/demo-t.md", "t/demo-t.json",
                                            "t/demo-t.bib"]
     assert ">CSV<" in tline and ">Markdown<" in tline and ">provenance<" in tline

@@ -11,15 +11,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from companion.book import provenance as prov  # noqa: E402
+from companion.book import chapter as book_chapter  # noqa: E402
+from companion.book import citations, claims, files, records  # noqa: E402
 
 
 @pytest.fixture
 def chapter(tmp_path, monkeypatch):
-    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path / "out"))
-    monkeypatch.setenv(prov.ENV_ASSET_URL, "../assets/demo")
-    monkeypatch.delenv(prov.ENV_CHAPTER, raising=False)
-    return prov.begin_chapter("demo", scale="smoke", seed=3, device="cpu", n=4)
+    monkeypatch.setenv(book_chapter.ENV_OUTPUT_DIR, str(tmp_path / "out"))
+    monkeypatch.setenv(book_chapter.ENV_ASSET_URL, "../assets/demo")
+    monkeypatch.delenv(book_chapter.ENV_CHAPTER, raising=False)
+    return book_chapter.begin_chapter("demo", scale="smoke", seed=3, device="cpu", n=4)
 
 
 def _figure(seed: int = 0):
@@ -34,14 +35,14 @@ def _figure(seed: int = 0):
 
 
 def test_save_figure_writes_three_formats_and_sidecar(chapter):
-    side = prov.save_figure(_figure(), "demo-line", "A line.")
+    side = records.save_figure(_figure(), "demo-line", "A line.")
     folder = chapter.output_dir / "figures"
     for fmt in ("png", "svg", "pdf"):
         path = folder / f"demo-line.{fmt}"
         assert path.stat().st_size > 0
         assert hashlib.sha256(path.read_bytes()).hexdigest() == side["files"][fmt]["sha256"]
     on_disk = json.loads((folder / "demo-line.json").read_text())
-    assert on_disk == json.loads(prov.dumps(side))
+    assert on_disk == json.loads(files.dumps(side))
     for key in ("id", "caption", "chapter", "parameters", "scale", "seed", "device",
                 "git_commit", "git_dirty", "versions", "created"):
         assert key in on_disk, key
@@ -51,26 +52,26 @@ def test_save_figure_writes_three_formats_and_sidecar(chapter):
 
 
 def test_same_inputs_give_identical_figure_bytes(chapter, tmp_path, monkeypatch):
-    first = prov.save_figure(_figure(1), "demo-a", "First.")
-    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path / "again"))
-    prov.begin_chapter("demo", scale="smoke", seed=3, device="cpu", n=4)
-    second = prov.save_figure(_figure(1), "demo-a", "First.")
+    first = records.save_figure(_figure(1), "demo-a", "First.")
+    monkeypatch.setenv(book_chapter.ENV_OUTPUT_DIR, str(tmp_path / "again"))
+    book_chapter.begin_chapter("demo", scale="smoke", seed=3, device="cpu", n=4)
+    second = records.save_figure(_figure(1), "demo-a", "First.")
     for fmt in ("png", "svg", "pdf"):
         assert first["files"][fmt]["sha256"] == second["files"][fmt]["sha256"], fmt
-    third = prov.save_figure(_figure(2), "demo-b", "Other data.")
+    third = records.save_figure(_figure(2), "demo-b", "Other data.")
     assert third["files"]["png"]["sha256"] != first["files"]["png"]["sha256"]
 
 
 def test_save_table_csv_markdown_sidecar(chapter):
     df = pd.DataFrame({"n": [1, 2], "value": [0.5, 0.25]})
-    side = prov.save_table(df, "demo-table", "Two rows.")
+    side = records.save_table(df, "demo-table", "Two rows.")
     folder = chapter.output_dir / "tables"
     assert pd.read_csv(folder / "demo-table.csv").equals(df)
     md = (folder / "demo-table.md").read_text()
     assert md.splitlines()[0] == "| n | value |" and "| 2 | 0.25 |" in md
     assert side["rows"] == 2 and side["columns"] == ["n", "value"]
     with pytest.raises(TypeError, match="table"):
-        prov.save_table([[1]], "demo-bad", "Not a frame.")
+        records.save_table([[1]], "demo-bad", "Not a frame.")
 
 
 def test_figure_and_table_are_shown_with_their_cite_line_and_bib_file(chapter, monkeypatch):
@@ -79,13 +80,13 @@ def test_figure_and_table_are_shown_with_their_cite_line_and_bib_file(chapter, m
     from companion.book.htmlcheck import cite_line_problems, cite_lines
 
     shown = []
-    monkeypatch.setattr(prov, "_display_markdown", lambda md, extra=None: shown.append(md))
-    fig = prov.save_figure(_figure(), "demo-cited", "Cited.")
-    tab = prov.save_table(pd.DataFrame({"a": [1]}), "demo-cited-table", "Cited too.")
+    monkeypatch.setattr(records, "display_markdown", lambda md, extra=None: shown.append(md))
+    fig = records.save_figure(_figure(), "demo-cited", "Cited.")
+    tab = records.save_table(pd.DataFrame({"a": [1]}), "demo-cited-table", "Cited too.")
     for side, folder, exts in ((fig, "figures", ("png", "svg", "pdf")),
                                (tab, "tables", ("csv", "md"))):
         bib = chapter.output_dir / folder / f"{side['id']}.bib"
-        assert bib.read_text() == prov.bibtex_entry(side) + "\n"
+        assert bib.read_text() == citations.bibtex_entry(side) + "\n"
         assert side["files"]["bib"]["sha256"] == hashlib.sha256(bib.read_bytes()).hexdigest()
         saved = json.loads((chapter.output_dir / folder / f"{side['id']}.json").read_text())
         assert saved["files"]["bib"] == side["files"]["bib"], "the sidecar lists the .bib"
@@ -103,12 +104,12 @@ def test_figure_and_table_are_shown_with_their_cite_line_and_bib_file(chapter, m
 @pytest.mark.parametrize("bad", ["Demo-x", "demo_x", "other-x", "demo-", ""])
 def test_ids_must_be_kebab_case_with_chapter_prefix(chapter, bad):
     with pytest.raises(ValueError, match="figure_id"):
-        prov.save_figure(_figure(), bad, "caption")
+        records.save_figure(_figure(), bad, "caption")
 
 
 def test_empty_caption_is_rejected(chapter):
     with pytest.raises(ValueError, match="caption"):
-        prov.save_figure(_figure(), "demo-x", "  ")
+        records.save_figure(_figure(), "demo-x", "  ")
 
 
 @pytest.mark.parametrize(
@@ -131,18 +132,18 @@ def test_empty_caption_is_rejected(chapter):
     ],
 )
 def test_judge_claim(measured, paper, tol, kind, verdict):
-    assert prov.judge_claim(measured, paper, tol, kind) == verdict
+    assert claims.judge_claim(measured, paper, tol, kind) == verdict
 
 
 def test_judge_claim_rejects_inconsistent_input():
     with pytest.raises(ValueError, match="kind"):
-        prov.judge_claim(1.0, 1.0, 0.1, "roughly")
+        claims.judge_claim(1.0, 1.0, 0.1, "roughly")
     with pytest.raises(ValueError, match="tolerance"):
-        prov.judge_claim(1.0, 1.0, None, "abs")
+        claims.judge_claim(1.0, 1.0, None, "abs")
     with pytest.raises(TypeError, match="measured"):
-        prov.judge_claim(1.0, "qualitative", None, "holds")
+        claims.judge_claim(1.0, "qualitative", None, "holds")
     with pytest.raises(ValueError, match="paper"):
-        prov.judge_claim(1.0, 5.0, None, "range")
+        claims.judge_claim(1.0, 5.0, None, "range")
 
 
 @pytest.mark.parametrize(
@@ -165,95 +166,95 @@ def test_judge_claim_rejects_inconsistent_input():
 )
 def test_judge_claim_with_interval(paper, tol, kind, interval, verdict):
     lo, hi = interval
-    assert prov.judge_claim((lo + hi) / 2, paper, tol, kind, interval=interval) == verdict
+    assert claims.judge_claim((lo + hi) / 2, paper, tol, kind, interval=interval) == verdict
     # the interval decides, not the point: an inconclusive interval stays inconclusive
     # whichever side of the threshold the point estimate lies on
-    assert prov.judge_claim(lo, paper, tol, kind, interval=interval) == verdict
+    assert claims.judge_claim(lo, paper, tol, kind, interval=interval) == verdict
 
 
 def test_judge_claim_interval_errors():
     with pytest.raises(ValueError, match="interval"):
-        prov.judge_claim(0.5, 0.4, None, "at_least", interval=(0.6, 0.5))
+        claims.judge_claim(0.5, 0.4, None, "at_least", interval=(0.6, 0.5))
     with pytest.raises(ValueError, match="interval"):
-        prov.judge_claim(0.5, 0.4, None, "at_least", interval=(0.4, float("nan")))
+        claims.judge_claim(0.5, 0.4, None, "at_least", interval=(0.4, float("nan")))
     with pytest.raises(ValueError, match="interval"):
-        prov.judge_claim(0.5, 0.4, None, "at_least", interval=0.1)
+        claims.judge_claim(0.5, 0.4, None, "at_least", interval=0.1)
     with pytest.raises(ValueError, match="interval"):
-        prov.judge_claim(True, "qualitative", None, "holds", interval=(0, 1))
+        claims.judge_claim(True, "qualitative", None, "holds", interval=(0, 1))
 
 
 def test_check_reads_holds_or_fails_and_records_role(chapter):
-    rec = prov.claim("demo-beats-random", 0.42, paper=0.2, kind="at_least",
+    rec = records.claim("demo-beats-random", 0.42, paper=0.2, kind="at_least",
                      interval=(0.38, 0.47), role="check", reference="this chapter",
                      statement="Our segmenter beats random boundaries.")
     saved = json.loads((chapter.output_dir / "claims" / "demo-beats-random.json").read_text())
     assert saved["verdict"] == rec["verdict"] == "holds"
     assert saved["role"] == "check" and saved["interval"] == [0.38, 0.47]
-    rec = prov.claim("demo-fails", 0.1, paper=0.2, kind="at_least", role="check",
+    rec = records.claim("demo-fails", 0.1, paper=0.2, kind="at_least", role="check",
                      reference="this chapter", statement="A check that fails.")
     assert rec["verdict"] == "fails"
     with pytest.raises(ValueError, match="role"):
-        prov.claim("demo-x", 0.1, paper=0.2, kind="at_least", role="target",
+        records.claim("demo-x", 0.1, paper=0.2, kind="at_least", role="target",
                    reference="this chapter", statement="s")
     with pytest.raises(ValueError, match="threshold"):
-        prov.claim("demo-x", 0.1, kind="at_least", role="check",
+        records.claim("demo-x", 0.1, kind="at_least", role="check",
                    reference="this chapter", statement="s")
     assert not (chapter.output_dir / "claims" / "demo-x.json").exists()
 
 
 def test_claim_is_recorded(chapter):
-    rec = prov.claim("demo-mean", 0.31, paper=0.33, tolerance=0.05, kind="abs",
+    rec = records.claim("demo-mean", 0.31, paper=0.33, tolerance=0.05, kind="abs",
                      reference="Sec. 2", statement="Mean near one third.")
     saved = json.loads((chapter.output_dir / "claims" / "demo-mean.json").read_text())
     assert saved["verdict"] == rec["verdict"] == "reproduced"
     assert saved["reference"] == "Sec. 2" and saved["paper"] == 0.33
     with pytest.raises(ValueError, match="reference"):
-        prov.claim("demo-x", True, paper="qualitative", kind="holds", reference="",
+        records.claim("demo-x", True, paper="qualitative", kind="holds", reference="",
                    statement="s")
 
 
 def test_begin_chapter_validates(tmp_path, monkeypatch):
-    monkeypatch.setenv(prov.ENV_OUTPUT_DIR, str(tmp_path))
+    monkeypatch.setenv(book_chapter.ENV_OUTPUT_DIR, str(tmp_path))
     with pytest.raises(ValueError, match="scale"):
-        prov.begin_chapter("demo", scale="huge", seed=0, device="cpu")
+        book_chapter.begin_chapter("demo", scale="huge", seed=0, device="cpu")
     with pytest.raises(TypeError, match=r"^seed: expected an int, got '0' \(str\)$"):
-        prov.begin_chapter("demo", scale="smoke", seed="0", device="cpu")
+        book_chapter.begin_chapter("demo", scale="smoke", seed="0", device="cpu")
     with pytest.raises(TypeError, match=r"^seed: expected an int, got 1\.5 \(float\)$"):
-        prov.begin_chapter("demo", scale="smoke", seed=1.5, device="cpu")
+        book_chapter.begin_chapter("demo", scale="smoke", seed=1.5, device="cpu")
     with pytest.raises(TypeError, match="name"):
-        prov.begin_chapter(3, scale="smoke", seed=0, device="cpu")
+        book_chapter.begin_chapter(3, scale="smoke", seed=0, device="cpu")
     with pytest.raises(ValueError, match="device"):
-        prov.begin_chapter("demo", scale="smoke", seed=0, device="tpu")
+        book_chapter.begin_chapter("demo", scale="smoke", seed=0, device="tpu")
     with pytest.raises(ValueError, match="required"):
-        prov.begin_chapter("demo", scale="smoke", seed=0)
-    monkeypatch.setenv(prov.ENV_CHAPTER, "other")
+        book_chapter.begin_chapter("demo", scale="smoke", seed=0)
+    monkeypatch.setenv(book_chapter.ENV_CHAPTER, "other")
     with pytest.raises(ValueError, match="runner executes chapter 'other'"):
-        prov.begin_chapter("demo", scale="smoke", seed=0, device="cpu")
+        book_chapter.begin_chapter("demo", scale="smoke", seed=0, device="cpu")
 
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
     target = tmp_path / "f.txt"
-    prov.atomic_write_text(target, "old")
+    files.atomic_write_text(target, "old")
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prov.os, "replace", boom)
+    monkeypatch.setattr(files.os, "replace", boom)
     with pytest.raises(KeyboardInterrupt):
-        prov.atomic_write_text(target, "new")
+        files.atomic_write_text(target, "new")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
 
 
 def test_ids_are_unique_within_a_chapter(chapter, monkeypatch):
-    prov.save_figure(_figure(), "demo-same", "A figure.")
+    records.save_figure(_figure(), "demo-same", "A figure.")
     with pytest.raises(ValueError, match="already used by a figure"):
-        prov.claim("demo-same", True, paper="qualitative", kind="holds",
+        records.claim("demo-same", True, paper="qualitative", kind="holds",
                    reference="this chapter", statement="Same id as the figure.")
-    prov.save_figure(_figure(), "demo-same", "Saved again by hand: allowed.")
-    monkeypatch.setenv(prov.ENV_CHAPTER, "demo")  # under the runner: a duplicate label
+    records.save_figure(_figure(), "demo-same", "Saved again by hand: allowed.")
+    monkeypatch.setenv(book_chapter.ENV_CHAPTER, "demo")  # under the runner: a duplicate label
     with pytest.raises(ValueError, match="already used"):
-        prov.save_figure(_figure(), "demo-same", "Twice in one run.")
+        records.save_figure(_figure(), "demo-same", "Twice in one run.")
 
 
 def test_rejected_call_leaves_its_id_free_for_a_corrected_retry(chapter, monkeypatch):
@@ -261,23 +262,23 @@ def test_rejected_call_leaves_its_id_free_for_a_corrected_retry(chapter, monkeyp
     than the id) has not used it, so the corrected call in the same kernel succeeds."""
     import numpy as np
 
-    monkeypatch.setenv(prov.ENV_CHAPTER, "demo")
+    monkeypatch.setenv(book_chapter.ENV_CHAPTER, "demo")
     fig = _figure()
     with pytest.raises(ValueError, match="caption"):
-        prov.save_figure(fig, "demo-retry-fig", " ")
+        records.save_figure(fig, "demo-retry-fig", " ")
     with pytest.raises(TypeError, match="fig"):
-        prov.save_figure("not a figure", "demo-retry-fig", "A line.")
-    prov.save_figure(fig, "demo-retry-fig", "A line.")
+        records.save_figure("not a figure", "demo-retry-fig", "A line.")
+    records.save_figure(fig, "demo-retry-fig", "A line.")
     with pytest.raises(TypeError, match="table"):
-        prov.save_table([[1]], "demo-retry-table", "Numbers.")
-    prov.save_table(pd.DataFrame({"a": [1]}), "demo-retry-table", "Numbers.")
+        records.save_table([[1]], "demo-retry-table", "Numbers.")
+    records.save_table(pd.DataFrame({"a": [1]}), "demo-retry-table", "Numbers.")
     with pytest.raises(ValueError, match="kind"):
-        prov.claim("demo-retry-claim", 1.0, paper=1.0, tolerance=0.1, kind="approx",
+        records.claim("demo-retry-claim", 1.0, paper=1.0, tolerance=0.1, kind="approx",
                    reference="this chapter", statement="One is one.")
     with pytest.raises(TypeError, match="tolerance"):
-        prov.claim("demo-retry-claim", 1.0, paper=1.0, tolerance="0.1", kind="abs",
+        records.claim("demo-retry-claim", 1.0, paper=1.0, tolerance="0.1", kind="abs",
                    reference="this chapter", statement="One is one.")
-    rec = prov.claim("demo-retry-claim", np.float64(1.0), paper=1.0, tolerance=0.1,
+    rec = records.claim("demo-retry-claim", np.float64(1.0), paper=1.0, tolerance=0.1,
                      kind="abs", reference="this chapter", statement="One is one.")
     assert rec["verdict"] == "reproduced"
     assert chapter.used_ids == {"demo-retry-fig": "figure_id",
@@ -285,36 +286,36 @@ def test_rejected_call_leaves_its_id_free_for_a_corrected_retry(chapter, monkeyp
                                 "demo-retry-claim": "claim_id"}
     # ... and a real second use is still refused
     with pytest.raises(ValueError, match="already used"):
-        prov.claim("demo-retry-claim", 1.0, paper=1.0, tolerance=0.1, kind="abs",
+        records.claim("demo-retry-claim", 1.0, paper=1.0, tolerance=0.1, kind="abs",
                    reference="this chapter", statement="One is one.")
 
 
 def test_claim_measured_one_element_tensor_and_bad_tensors(chapter):
     import torch
 
-    rec = prov.claim("demo-t", torch.tensor([0.5]), paper=0.5, tolerance=0.1, kind="abs",
+    rec = records.claim("demo-t", torch.tensor([0.5]), paper=0.5, tolerance=0.1, kind="abs",
                      reference="this chapter", statement="A one-element tensor.")
     assert rec["measured"] == 0.5 and rec["verdict"] == "reproduced"
-    rec = prov.claim("demo-b", torch.tensor(True), paper="qualitative", kind="holds",
+    rec = records.claim("demo-b", torch.tensor(True), paper="qualitative", kind="holds",
                      reference="this chapter", statement="A 0-d bool tensor.")
     assert rec["measured"] is True and rec["verdict"] == "reproduced"
     with pytest.raises(TypeError, match=r"shape \(2, 2\)"):
-        prov.claim("demo-m", torch.ones(2, 2), paper=0.5, tolerance=0.1, kind="abs",
+        records.claim("demo-m", torch.ones(2, 2), paper=0.5, tolerance=0.1, kind="abs",
                    reference="this chapter", statement="Four numbers.")
     with pytest.raises(ValueError, match="meta device"):
-        prov.claim("demo-m", torch.empty(1, device="meta"), paper=0.5, tolerance=0.1,
+        records.claim("demo-m", torch.empty(1, device="meta"), paper=0.5, tolerance=0.1,
                    kind="abs", reference="this chapter", statement="No value.")
     assert not (chapter.output_dir / "claims" / "demo-m.json").exists()
 
 
 def test_claim_evidence_names_this_chapters_items(chapter):
-    rec = prov.claim("demo-with-evidence", 0.3, paper=0.2, kind="at_least",
+    rec = records.claim("demo-with-evidence", 0.3, paper=0.2, kind="at_least",
                      reference="Fig. 2", statement="s", evidence="demo-random-walk")
     assert rec["evidence"] == ["demo-random-walk"]
     with pytest.raises(ValueError, match="evidence: expected ids of this chapter"):
-        prov.claim("demo-bad-evidence", 0.3, paper=0.2, kind="at_least", reference="Fig. 2",
+        records.claim("demo-bad-evidence", 0.3, paper=0.2, kind="at_least", reference="Fig. 2",
                    statement="s", evidence=["hasse-figure"])
     with pytest.raises(TypeError, match="evidence"):
-        prov.claim("demo-bad-evidence", 0.3, paper=0.2, kind="at_least", reference="Fig. 2",
+        records.claim("demo-bad-evidence", 0.3, paper=0.2, kind="at_least", reference="Fig. 2",
                    statement="s", evidence=3)
     assert not (chapter.output_dir / "claims" / "demo-bad-evidence.json").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,26 @@ def test_resolve_parameters_errors(overrides, match):
         runner.resolve_parameters(DEFAULTS, overrides)
 
 
+@pytest.fixture(scope="module")
+def _demo_run_once(tmp_path_factory):
+    from conftest import FIXTURE_CHAPTERS, make_project
+
+    root = make_project(tmp_path_factory.mktemp("demo-ran") / "book-project",
+                        {"demo": FIXTURE_CHAPTERS / "demo.md"})
+    p = runner.Project(root)
+    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    return p
+
+
+@pytest.fixture
+def ran_demo_project(_demo_run_once, tmp_path):
+    """A demo project whose chapter has run once at smoke scale: a copy of one run per
+    module, so that a test that starts from a good run needs no run of its own."""
+    root = tmp_path / "book-project"
+    shutil.copytree(_demo_run_once.root, root, symlinks=True)
+    return runner.Project(root)
+
+
 def test_run_success_cache_and_force(demo_project):
     p = demo_project
     res = run_chapter(p, "demo", scale="smoke", echo=quiet)
@@ -82,28 +103,25 @@ def test_run_success_cache_and_force(demo_project):
 
     png = (p.assets("demo") / "figures" / "demo-random-walk.png").read_bytes()
     assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "cached"
-    assert run_chapter(p, "demo", scale="smoke", overrides={"n": "21"},
-                       echo=quiet).status == "ok", "a new parameter value is a cache miss"
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
     # Same seed, same parameters: identical figure bytes after re-execution.
     forced = run_chapter(p, "demo", scale="smoke", force=True, echo=quiet)
     assert forced.status == "ok"
     assert (p.assets("demo") / "figures" / "demo-random-walk.png").read_bytes() == png
+    assert run_chapter(p, "demo", scale="smoke", overrides={"n": "21"},
+                       echo=quiet).status == "ok", "a new parameter value is a cache miss"
 
 
-def test_source_change_is_a_cache_miss(demo_project):
-    p = demo_project
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+def test_source_change_is_a_cache_miss(ran_demo_project):
+    p = ran_demo_project
     src = p.source("demo")
     src.write_text(src.read_text() + "\nMore prose.\n")
     assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
 
 
-def test_failure_keeps_previous_outputs_marked_stale(demo_project):
+def test_failure_keeps_previous_outputs_marked_stale(ran_demo_project):
     from companion.book.pages import figure_index
 
-    p = demo_project
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    p = ran_demo_project
     png_path = p.assets("demo") / "figures" / "demo-random-walk.png"
     before = png_path.read_bytes()
     lines: list[str] = []
@@ -292,12 +310,13 @@ def test_interrupt_leaves_published_outputs_byte_identical(interrupt_project, tm
 # busy machine, so "at once" often landed there. This prelude reproduces that moment
 # deterministically: the first `import torch` sends SIGINT and swallows the exception
 # exactly as torch does, then `python -m companion run` goes on as usual.
-_SWALLOWING_TORCH_IMPORT = """
+_SWALLOWING_IMPORT = """
 import builtins, os, runpy, signal, sys
+SWALLOWED = os.environ["SWALLOWED_IMPORT"]
 real_import = builtins.__import__
 fired = []
 def swallowing_import(name, *args, **kwargs):
-    if name == "torch" and not fired:
+    if name == SWALLOWED and not fired:
         fired.append(True)
         try:
             os.kill(os.getpid(), signal.SIGINT)
@@ -312,12 +331,16 @@ runpy.run_module("companion", run_name="__main__", alter_sys=True)
 """
 
 
-def test_interrupt_swallowed_during_torch_import_is_not_lost(interrupt_project):
+def test_interrupt_swallowed_during_an_import_is_not_lost(interrupt_project):
+    """torch's C extension swallows a KeyboardInterrupt raised while it imports. The
+    runner no longer imports torch before a run starts (a cached run never does), so the
+    interrupt is swallowed here in the first heavy import a run makes, jupytext's."""
     p = interrupt_project
     before = _published(p)
-    proc = subprocess.run([sys.executable, "-c", _SWALLOWING_TORCH_IMPORT, "run", "demo",
+    proc = subprocess.run([sys.executable, "-c", _SWALLOWING_IMPORT, "run", "demo",
                            "--root", str(p.root), "--scale", "smoke", "--force"],
-                          capture_output=True, text=True, timeout=SAFETY_DEADLINE)
+                          capture_output=True, text=True, timeout=SAFETY_DEADLINE,
+                          env={**os.environ, "SWALLOWED_IMPORT": "jupytext"})
     assert proc.returncode == 130, f"an interrupt was lost:\n{proc.stdout}\n{proc.stderr}"
     assert "[start]" not in proc.stdout, "nothing may start after an interrupt"
     _assert_unchanged(p, before, proc)
@@ -488,7 +511,7 @@ def test_parse_scale_spec_plain_publish_and_mixed():
     # A chapter not in PUBLISH_SCALES keeps its default; named chapters win over 'publish'.
     assert runner.parse_scale_spec("publish,sbm_transformer=smoke", ["demo", "sbm_transformer"]
                                    ) == {"demo": None, "sbm_transformer": "smoke"}
-    assert set(runner.PUBLISH_SCALES.values()) <= set(runner.prov.SCALES)
+    assert set(runner.PUBLISH_SCALES.values()) <= set(runner.SCALES)
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -605,9 +628,8 @@ def test_run_box_links_the_commit_and_has_a_real_header():
     assert "(with uncommitted changes)" in runner.run_box(_record(git_dirty=True))
 
 
-def test_page_has_install_cell_banner_and_box_in_order(demo_project):
-    p = demo_project
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+def test_page_has_install_cell_banner_and_box_in_order(ran_demo_project):
+    p = ran_demo_project
     nb = json.loads(p.notebook("demo").read_text())
     first = nb["cells"][0]
     assert first["cell_type"] == "code"
@@ -641,9 +663,9 @@ def _all_files(folder):
     return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
 
 
-def test_out_run_writes_its_folder_and_leaves_the_book_byte_identical(demo_project, tmp_path):
-    p = demo_project
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+def test_out_run_writes_its_folder_and_leaves_the_book_byte_identical(ran_demo_project,
+                                                                      tmp_path):
+    p = ran_demo_project
     before = _all_files(p.generated)
     dirs_before = sorted(str(d) for d in p.generated.rglob("*"))
     out = tmp_path / "explore"
@@ -763,12 +785,11 @@ def test_bad_progress_period_is_refused(demo_project):
     assert "COMPANION_PROGRESS_SECONDS: expected a positive number of seconds" in proc.stderr
 
 
-def test_the_pages_re_execute_command_is_accepted(demo_project):
+def test_the_pages_re_execute_command_is_accepted(ran_demo_project):
     """The command in the run box (defaults, with -p seed 0) needs no --publish."""
     import shlex
 
-    p = demo_project
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
+    p = ran_demo_project
     command = json.loads(p.run_record("demo").read_text())["command"]
     assert "-p seed 0" in command and "--publish" not in command
     argv = shlex.split(command)
@@ -800,3 +821,66 @@ def test_chapter_inputs_enter_the_cache_key(demo_project):
     source.write_text("---\ncompanion:\n  inputs: results/x.json\n" + text[4:])
     with pytest.raises(ChapterError, match="companion.inputs"):
         chapter_inputs(project, "demo")
+
+
+# --------------------------------------------------------------------------- build's runs
+def test_build_reports_a_current_chapter_cached_without_a_process(ran_demo_project,
+                                                                   monkeypatch):
+    def no_process(*args, **kwargs):
+        raise AssertionError("a cached chapter must not start a process")
+
+    p = ran_demo_project
+    record = json.loads(p.run_record("demo").read_text())
+    params = runner._prepare(p, "demo", "smoke", None, None)[3]
+    # current even if lib/ changed since the run (other work in the same tree)
+    record["cache_key"] = runner.cache_key(p, "demo", params)
+    p.run_record("demo").write_text(json.dumps(record))
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    lines: list[str] = []
+    results = runner.run_many(ran_demo_project, ["demo"], scale="smoke", device=None, jobs=2,
+                              force=False, echo=lines.append)
+    assert [(r.name, r.status) for r in results] == [("demo", "cached")]
+    assert results[0].record["status"] == "ok"
+    assert any(line.startswith("[cached] demo") for line in lines)
+
+
+def test_a_child_runs_status_is_its_result_file_not_its_words(tmp_path, demo_project):
+    """run_many reads the status a child wrote (``run --result-file``); a line that
+    happens to say "[cached]" changes nothing, and a child without a result failed."""
+    def finished_child(words: str, result: runner.RunResult | None):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        if result is not None:
+            runner.write_result_file(path, result)
+        proc = subprocess.Popen([sys.executable, "-c", f"print({words!r})"],
+                                stdout=subprocess.PIPE, text=True)
+        out = proc.communicate()[0]
+        return runner._Child(proc, time.time(), threading_done(), [out], path)
+
+    def threading_done():
+        import threading
+
+        thread = threading.Thread(target=lambda: None)
+        thread.start()
+        return thread
+
+    ok = finished_child("[cached] demo: unchanged", runner.RunResult("demo", "ok", 1.0))
+    assert runner._child_result(demo_project, "demo", ok, quiet).status == "ok"
+    cached = finished_child("done", runner.RunResult("demo", "cached"))
+    assert runner._child_result(demo_project, "demo", cached, quiet).status == "cached"
+    silent = finished_child("[cached] demo", None)
+    assert runner._child_result(demo_project, "demo", silent, quiet).status == "failed"
+    assert runner.read_result_file(tmp_path / "missing.json") is None
+
+
+def test_the_book_sources_state_follows_every_file_but_logs_and_locks(demo_project):
+    p = demo_project
+    (p.generated / "logs").mkdir(parents=True)
+    before = runner._book_sources_state(p)
+    assert runner._book_sources_state(p) == before
+    (p.generated / "logs" / "jupyter-book.log").write_text("a log")
+    (p.build_dir / "html").mkdir(parents=True)
+    (p.build_dir / "html" / "index.html").write_text("built")
+    assert runner._book_sources_state(p) == before, "logs and the build are not sources"
+    page = p.root / "book" / "intro.md"
+    page.write_text(page.read_text() + "\nMore.\n")
+    assert runner._book_sources_state(p) != before

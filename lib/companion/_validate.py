@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a check needs it: the book's runner, which
+    import torch   # only validates parameters, starts without it
 
 __all__ = [
     "check_bool",
@@ -39,7 +42,8 @@ def describe(value) -> str:
     >>> describe(2.5), describe("3"), describe([1, 2])
     ('2.5 (float)', "'3' (str)", 'list')
     """
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # not imported yet: value is no tensor
+    if torch is not None and isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
     if value is None:
         return "None"
@@ -222,33 +226,46 @@ def check_str_sequence(name: str, value) -> list[str]:
     return items
 
 
-def check_device(name: str, device) -> torch.device | None:
-    """Check a ``device=`` argument without choosing one: None stays None (the caller's
-    default, usually the CPU); anything else must name a device that exists here.
+#: The device names ``check_device(..., allow_auto=True)`` accepts besides 'cuda:N'.
+AUTO_DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(name: str, device, *, allow_auto: bool = False) -> torch.device | None:
+    """Check a ``device=`` argument. Without ``allow_auto`` it chooses none: None stays
+    None (the caller's default, usually the CPU); anything else must name a device that
+    exists here. With ``allow_auto``, None and "auto" mean CUDA when available, else the
+    CPU (:func:`companion.devices.resolve_device`).
 
     Raises
     ------
     TypeError
-        ``device`` is neither None, a str, an int nor a torch.device.
+        ``device`` is neither None, a str, an int (a CUDA index) nor a torch.device.
     ValueError
         It is not a device name, or names CUDA on a machine without CUDA.
 
     >>> check_device("device", "cpu")
     device(type='cpu')
+    >>> check_device("device", "tpu", allow_auto=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: device: expected one of ('auto', 'cpu', 'cuda') or 'cuda:N', got 'tpu'
     """
+    import torch
+
+    if allow_auto and (device is None or (isinstance(device, str) and device == "auto")):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device is None:
         return None
+    listed = f"one of {AUTO_DEVICES}, 'cuda:N'" if allow_auto else (
+        "a device name ('cpu', 'cuda', 'cuda:N')")
+    names = f"one of {AUTO_DEVICES} or 'cuda:N'" if allow_auto else listed
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(
-            f"{name}: expected a device name ('cpu', 'cuda', 'cuda:N'), a torch.device or "
-            f"None, got {describe(device)}"
-        )
+        raise TypeError(f"{name}: expected {listed}, a torch.device or None, "
+                        f"got {describe(device)}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"{name}: expected a device name ('cpu', 'cuda', 'cuda:N'), got {device!r}"
-        ) from exc
+        raise ValueError(f"{name}: expected {names}, got {device!r}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}: {device!r} was requested but CUDA is not available here")
     return dev
@@ -289,6 +306,7 @@ def check_tensor(
     ValueError
         Wrong number of dimensions, empty, on the meta device, or not finite.
 
+    >>> import torch
     >>> check_tensor("x", torch.zeros(2, 3), ndim=2, floating=True).shape
     torch.Size([2, 3])
     >>> check_tensor("x", torch.zeros(2, 3, dtype=torch.long), floating=True)
@@ -296,6 +314,8 @@ def check_tensor(
     ...
     TypeError: x: expected a floating-point tensor, got dtype torch.int64
     """
+    import torch
+
     what = "a tensor" if shape_text is None else f"a tensor {shape_text}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected {what}, got {describe(t)}")

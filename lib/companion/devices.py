@@ -1,13 +1,19 @@
 """Device resolution shared by every module: ``"auto"`` means CUDA when available.
 
 Library functions never move data behind the caller's back; they only resolve the
-``device=`` argument they were given.
+``device=`` argument they were given. The check itself is
+:func:`companion._validate.check_device` (``allow_auto=True``).
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-VALID_DEVICES = ("auto", "cpu", "cuda")
+from companion._validate import AUTO_DEVICES, check_device
+
+if TYPE_CHECKING:
+    import torch
+
+VALID_DEVICES = AUTO_DEVICES
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -24,20 +30,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         If ``device`` is not a str, an int (a CUDA index), a torch.device or None.
     ValueError
         If ``device`` names CUDA but no CUDA device is available, or is not a device name.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
     """
-    if device is None or (isinstance(device, str) and device == "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(
-            f"device: expected one of {VALID_DEVICES}, 'cuda:N' or a torch.device, got "
-            f"{type(device).__name__}"
-        )
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device: expected one of {VALID_DEVICES} or 'cuda:N', got {device!r}"
-        ) from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} was requested but CUDA is not available here")
-    return dev
+    return check_device("device", device, allow_auto=True)

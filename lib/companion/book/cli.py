@@ -44,7 +44,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from companion.book.provenance import SCALES, repo_root
+from companion.book.chapter import SCALES
+from companion.book.gitstate import repo_root
 from companion.book.runner import (CELL_TIMEOUT_SECONDS, DEVICE_CHOICES, ChapterError, Project,
                               RunInterrupted, interrupt_guard)
 
@@ -110,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--publish", action="store_true",
                        help="allow non-default parameters (-p) to replace the book's page")
     run.add_argument("--root", type=Path, default=None, dest="root_sub")
+    # for `build`: where the run leaves its status as JSON (runner.write_result_file)
+    run.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
 
     build = sub.add_parser("build", help="execute the chapters, then build the HTML book")
     build.add_argument("--scale", default=None, metavar="SPEC",
@@ -155,7 +158,7 @@ def _main(argv: list[str] | None) -> int:
     project = Project(root)
     try:
         if args.command == "run":
-            from companion.book.runner import run_chapter
+            from companion.book.runner import run_chapter, write_result_file
 
             overrides = {}
             for name, value in args.param:
@@ -166,6 +169,8 @@ def _main(argv: list[str] | None) -> int:
                                  overrides=overrides, force=args.force, threads=args.threads,
                                  timeout=args.timeout, nproc=args.nproc, out=args.out,
                                  publish_non_default=args.publish, echo=_say)
+            if args.result_file is not None:
+                write_result_file(args.result_file, result)
             return 0 if result.status in ("ok", "cached") else 1
         if args.command == "build":
             from companion.book.runner import build

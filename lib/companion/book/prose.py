@@ -17,7 +17,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from companion.book.provenance import _display_markdown
+from companion._validate import check_number
+from companion.book.records import display_markdown
 
 __all__ = ["num", "pct", "interval", "compare", "claim_phrase", "verdict_word", "show"]
 
@@ -25,9 +26,7 @@ __all__ = ["num", "pct", "interval", "compare", "claim_phrase", "verdict_word", 
 def _finite(name: str, x: Any) -> float:
     if hasattr(x, "item"):
         x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {x!r} ({type(x).__name__})")
-    return float(x)
+    return check_number(name, x, finite=False)
 
 
 def num(x: Any, digits: int = 3) -> str:
@@ -112,4 +111,4 @@ def show(markdown: str) -> None:
     """Put MyST markdown on the chapter page (a generated sentence, a summary list)."""
     if not isinstance(markdown, str):
         raise TypeError(f"markdown: expected a str, got {type(markdown).__name__}")
-    _display_markdown(markdown)
+    display_markdown(markdown)

@@ -81,6 +81,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -88,7 +89,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from companion.book import provenance as prov
+from companion._validate import check_int, check_number
+from companion.book import myst
+from companion.book.chapter import (ENV_ASSET_URL, ENV_CHAPTER, ENV_OUTPUT_DIR, ENV_THREADS,
+                                    SCALES)
+from companion.book.files import atomic_write_text, dumps, now_iso
+from companion.book.gitstate import ENV_COMMIT, ENV_DIRTY, git_state
+from companion.book.project import (  # noqa: F401 - re-exported: the runner's project API
+    ChapterError,
+    Project,
+    load_record,
+    read_notebook,
+    read_notebook_ipynb,
+)
 from companion.book.interrupts import (  # noqa: F401 - re-exported: the runner's interrupt API
     INTERRUPT_SIGNALS,
     _INTERRUPT,
@@ -136,90 +149,8 @@ ENV_INSTALL_SOURCE = "COMPANION_INSTALL_SOURCE"
 ENV_PIP_ARGS = "COMPANION_PIP_ARGS"
 
 
-class ChapterError(Exception):
-    """A chapter could not be run: bad parameters, missing chapter, failed cell."""
-
-
 # --------------------------------------------------------------------------- project
-@dataclass
-class Project:
-    """Paths of a book project: ``_toc.yml``, ``chapters/``, ``book/_generated/``."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        self.root = Path(self.root).resolve()
-
-    @property
-    def chapters_dir(self) -> Path:
-        return self.root / "chapters"
-
-    @property
-    def generated(self) -> Path:
-        return self.root / "book" / "_generated"
-
-    @property
-    def lib_dir(self) -> Path:
-        return self.root / "lib"
-
-    @property
-    def build_dir(self) -> Path:
-        return self.root / "book" / "_build"
-
-    def source(self, name: str) -> Path:
-        return self.chapters_dir / f"{name}.md"
-
-    def notebook(self, name: str) -> Path:
-        return self.generated / "chapters" / f"{name}.ipynb"
-
-    def assets(self, name: str) -> Path:
-        return self.generated / "assets" / name
-
-    def run_record(self, name: str) -> Path:
-        return self.generated / "runs" / f"{name}.json"
-
-    def log(self, name: str) -> Path:
-        return self.generated / "logs" / f"{name}.log"
-
-    def toc_files(self) -> list[str]:
-        """Every page of ``_toc.yml`` (root first), as paths without suffix."""
-        import yaml
-
-        toc = yaml.safe_load((self.root / "_toc.yml").read_text())
-        files: list[str] = [toc["root"]]
-
-        def walk(node: Any) -> None:
-            if isinstance(node, dict):
-                f = node.get("file")
-                if isinstance(f, str) and f not in files:
-                    files.append(f)
-                for value in node.values():
-                    walk(value)
-            elif isinstance(node, list):
-                for item in node:
-                    walk(item)
-
-        walk(toc)
-        return files
-
-    def toc_chapters(self) -> list[str]:
-        """Chapter names in table-of-contents order (entries under _generated/chapters/)."""
-        prefix = "book/_generated/chapters/"
-        return [Path(f).name for f in self.toc_files() if f.startswith(prefix)]
-
-    def chapter_names(self) -> list[str]:
-        on_disk = sorted(p.stem for p in self.chapters_dir.glob("*.md"))
-        ordered = [n for n in self.toc_chapters() if n in on_disk]
-        return ordered + [n for n in on_disk if n not in ordered]
-
-
 # --------------------------------------------------------------------------- parameters
-def read_notebook(path: Path):
-    import jupytext
-
-    return jupytext.read(path)
-
-
 def parameters_cell_index(nb) -> int:
     """Index of the ``parameters`` cell, which must be the first code cell."""
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
@@ -314,8 +245,8 @@ def resolve_parameters(defaults: dict[str, Any], overrides: dict[str, Any]) -> d
                 f"unknown parameter {name!r}; valid parameters: {_describe_params(defaults)}"
             )
         resolved[name] = coerce_parameter(name, value, defaults[name])
-    if resolved["scale"] not in prov.SCALES:
-        raise ChapterError(f"scale: expected one of {prov.SCALES}, got {resolved['scale']!r}")
+    if resolved["scale"] not in SCALES:
+        raise ChapterError(f"scale: expected one of {SCALES}, got {resolved['scale']!r}")
     dev = str(resolved["device"])
     if dev not in DEVICE_CHOICES and not dev.startswith("cuda:"):
         raise ChapterError(f"device: expected one of {DEVICE_CHOICES}, got {dev!r}")
@@ -363,7 +294,7 @@ def parse_scale_spec(spec: str | None, chapters: list[str]) -> dict[str, str | N
     if spec is None:
         return scales
     if not isinstance(spec, str) or not spec.strip():
-        raise ChapterError(f"--scale: expected a scale ({', '.join(prov.SCALES)}), "
+        raise ChapterError(f"--scale: expected a scale ({', '.join(SCALES)}), "
                            f"{PUBLISH!r} or CHAPTER=SCALE items, got {spec!r}")
     items = [item.strip() for item in spec.split(",")]
     defaults = [item for item in items if "=" not in item]
@@ -374,20 +305,20 @@ def parse_scale_spec(spec: str | None, chapters: list[str]) -> dict[str, str | N
     for item in defaults:
         if item == PUBLISH:
             scales.update({n: s for n, s in PUBLISH_SCALES.items() if n in scales})
-        elif item in prov.SCALES:
+        elif item in SCALES:
             scales = {name: item for name in scales}
         else:
             raise ChapterError(f"--scale: unknown scale {item!r}; expected one of "
-                               f"{', '.join(prov.SCALES)}, {PUBLISH!r} or CHAPTER=SCALE")
+                               f"{', '.join(SCALES)}, {PUBLISH!r} or CHAPTER=SCALE")
     seen: set[str] = set()
     for item in named:
         name, _, scale = (part.strip() for part in item.partition("="))
         if name not in chapters:
             raise ChapterError(f"--scale: unknown chapter {name!r} in {item!r}; chapters: "
                                f"{', '.join(chapters) or 'none'}")
-        if scale not in prov.SCALES:
+        if scale not in SCALES:
             raise ChapterError(f"--scale: unknown scale {scale!r} for chapter {name!r}; "
-                               f"expected one of {', '.join(prov.SCALES)}")
+                               f"expected one of {', '.join(SCALES)}")
         if name in seen:
             raise ChapterError(f"--scale: chapter {name!r} is given twice in {spec!r}")
         seen.add(name)
@@ -403,10 +334,11 @@ def check_nproc(nproc: Any) -> int:
     """
     if nproc is None:
         return 1
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    try:
+        return check_int("nproc", nproc, minimum=1)
+    except (TypeError, ValueError):
         raise ChapterError(f"nproc: expected a positive integer number of processes, "
-                           f"got {nproc!r}")
-    return nproc
+                           f"got {nproc!r}") from None
 
 
 def progress_seconds() -> float:
@@ -426,11 +358,28 @@ def progress_seconds() -> float:
 
 # --------------------------------------------------------------------------- cache key
 def installed_versions() -> list[str]:
+    """``name==version`` of every installed distribution, sorted (part of the cache key).
+
+    Read from the first lines of each distribution's metadata file rather than through
+    ``Distribution.metadata``, whose e-mail parser reads the whole file (ten times
+    slower); the strings are the same.
+    """
     from importlib import metadata
 
-    return sorted(
-        f"{(d.metadata['Name'] or '').lower()}=={d.version}" for d in metadata.distributions()
-    )
+    return sorted(_name_and_version(d) for d in metadata.distributions())
+
+
+def _name_and_version(dist) -> str:
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    name = version = None
+    for line in text.split("\n"):
+        if not line.strip():  # the end of the headers
+            break
+        if name is None and line.startswith("Name:"):
+            name = line[len("Name:"):].strip()
+        elif version is None and line.startswith("Version:"):
+            version = line[len("Version:"):].strip()
+    return f"{(name or '').lower()}=={version}"
 
 
 def chapter_inputs(project: Project, name: str) -> list[Path]:
@@ -455,8 +404,10 @@ def chapter_inputs(project: Project, name: str) -> list[Path]:
                    if path.is_file()})
 
 
-def cache_key(project: Project, name: str, params: dict[str, Any], nproc: int = 1) -> str:
-    """Hash of everything a chapter's outputs depend on (``nproc``: its processes)."""
+def cache_key(project: Project, name: str, params: dict[str, Any], nproc: int = 1,
+              versions: list[str] | None = None) -> str:
+    """Hash of everything a chapter's outputs depend on (``nproc``: its processes;
+    ``versions``: :func:`installed_versions`, computed here when not given)."""
     h = hashlib.sha256()
     h.update(project.source(name).read_bytes())
     for path in chapter_inputs(project, name):
@@ -467,32 +418,8 @@ def cache_key(project: Project, name: str, params: dict[str, Any], nproc: int = 
         h.update(path.read_bytes())
     h.update(json.dumps(params, sort_keys=True, default=str).encode())
     h.update(f"nproc={nproc}".encode())
-    h.update("\n".join(installed_versions()).encode())
+    h.update("\n".join(installed_versions() if versions is None else versions).encode())
     return h.hexdigest()
-
-
-def load_record(project: Project, name: str,
-                echo: Callable[[str], None] | None = None) -> dict[str, Any] | None:
-    """The last run record of chapter ``name``, or None when there is none.
-
-    An unreadable record (cut short by a full disk, edited by hand) counts as none: the
-    chapter is then run again rather than trusted. ``echo``, when given, is told so,
-    naming the file.
-    """
-    path = project.run_record(name)
-    if not path.exists():
-        return None
-    try:
-        record = json.loads(path.read_text())
-        if isinstance(record, dict):
-            return record
-        problem = f"a JSON {type(record).__name__}, not an object"
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    if echo is not None:
-        echo(f"[warning] {name}: the run record {path} is unreadable ({problem}); "
-             "treating it as no record, so the chapter runs again")
-    return None
 
 
 # --------------------------------------------------------------------------- notebook edits
@@ -563,71 +490,17 @@ def _markdown_cell(source: str, tag: str):
     return cell
 
 
-def _commit_text(record: dict[str, Any]) -> str:
-    """The run's commit as a link to it in the repository (plain when unknown)."""
-    from companion.book import site
-
-    commit = str(record.get("git_commit") or "unknown")
-    short = f"`{commit[:12]}`"
-    repository = record.get("repository")
-    if not repository or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
-        return short
-    return f"[{short}]({site.commit_url(repository, commit)})"
-
-
-def run_box(record: dict[str, Any]) -> str:
-    """The box under the title: how the page was made, and how to make it again."""
-    params = ", ".join(f"`{k}={v!r}`" for k, v in record["parameters"].items())
-    dirty = " (with uncommitted changes)" if record.get("git_dirty") else ""
-    rows = [("Parameters", params), ("Scale", f"`{record['parameters']['scale']}`"),
-            ("Device", f"`{record['device']}`")]
-    if record.get("nproc", 1) != 1:
-        rows.append(("Processes", f"{record['nproc']} (torchrun)"))
-    peak = record.get("peak_memory_gib")
-    rows += [("Commit", _commit_text(record) + dirty),
-             ("Executed", f"{record['finished']} in {record['seconds']:.1f} s"
-              + (f", peak memory {peak:.2f} GiB" if peak else ""))]
-    table = "| Setting | Value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
-    explore = (f"python -m companion run {record['chapter']} --scale "
-               f"{record['parameters']['scale']} --out DIR -p NAME VALUE")
-    return (
-        "```{admonition} How this page was made\n:class: note\n\n"
-        f"{table}\n"
-        f"Re-execute with: `{record['command']}`\n\n"
-        f"Explore other parameters, leaving the book as it is: `{explore}` writes the run "
-        "(notebook, figures, tables, claims and an HTML page) into `DIR`.\n```"
-    )
-
-
 def scale_banner(record: dict[str, Any]) -> str:
     """The banner at the top of a page: the scale it was run at; below paper scale, the
-    command that runs it at paper scale."""
+    command that runs it at paper scale (:func:`companion.book.myst.scale_banner`)."""
     scale = record["parameters"]["scale"]
     meaning = SCALE_MEANING.get(scale, scale)
     if scale == "paper":
-        return ("```{admonition} Run at paper scale\n:class: tip " + SCALE_TAG + "\n\n"
-                f"Every number, figure and verdict on this page comes from a run at scale "
-                f"`paper`: {meaning}.\n```")
+        return myst.scale_banner(scale, meaning, SCALE_TAG)
     gpu = ("" if PUBLISH_SCALES.get(record["chapter"], "paper") == "paper" else
            f" (a GPU: on a CPU this chapter is published at scale "
            f"`{PUBLISH_SCALES[record['chapter']]}`)")
-    return (f"```{{admonition}} Run at {scale} scale, below the papers' settings\n"
-            f":class: warning {SCALE_TAG}\n\n"
-            f"This page was run at scale **`{scale}`** ({meaning}), not at the papers' "
-            "settings: its numbers, figures and verdicts come from smaller experiments than "
-            f"the papers'. To run it at paper scale{gpu}: `{paper_scale_command(record)}`\n```")
-
-
-def stale_banner(record: dict[str, Any], good: dict[str, Any] | None) -> str:
-    when = f" from {good['finished']} (commit {_commit_text(good)})" if good else ""
-    return (
-        "```{danger} Stale outputs\n"
-        f"The last run of this chapter ({record['finished']}, commit "
-        f"{_commit_text(record)}) **failed**: {record['error']}.\n"
-        + (f"Everything below is the last good run{when}, not the current code."
-           if good else "No good run of this chapter exists: nothing below was computed.")
-        + "\n```"
-    )
+    return myst.scale_banner(scale, meaning, SCALE_TAG, paper_scale_command(record), gpu)
 
 
 def _tags(cell) -> list[str]:
@@ -725,7 +598,7 @@ if importlib.util.find_spec("companion") is None:
     if subprocess.run([sys.executable, "-m", "companion.corpora", "install"]).returncode:
         print("warning: the corpora were not installed; only the context-similarity "
               "chapter needs them")
-    os.environ.setdefault({prov.ENV_OUTPUT_DIR!r},
+    os.environ.setdefault({ENV_OUTPUT_DIR!r},
                           os.path.abspath(os.path.join("companion-outputs", {name!r})))
     import companion  # noqa: F401  (if this fails, restart the kernel and run again)
 """
@@ -749,7 +622,7 @@ def finish_notebook(executed, record: dict[str, Any]) -> None:
     _strip_tagged(executed, BOX_TAG)
     show_one_parameters_cell(executed, record["parameters"])
     # inserted after the title in reverse order: the banner ends up first
-    _insert_after_title(executed, _markdown_cell(run_box(record), BOX_TAG))
+    _insert_after_title(executed, _markdown_cell(myst.run_box(record), BOX_TAG))
     _insert_after_title(executed, _markdown_cell(scale_banner(record), SCALE_TAG))
     add_install_cell(executed, record["chapter"], record.get("repository") or "",
                      str(record.get("git_commit") or "unknown"))
@@ -762,7 +635,7 @@ def _strip_tagged(nb, tag: str) -> None:
 def _write_notebook(nb, path: Path) -> None:
     import nbformat
 
-    prov.atomic_write_text(path, nbformat.writes(nb))
+    atomic_write_text(path, nbformat.writes(nb))
 
 
 # --------------------------------------------------------------------------- running
@@ -996,10 +869,11 @@ def check_timeout(timeout: Any) -> float | None:
     """``timeout`` as seconds (a positive finite number) or None; ChapterError otherwise."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 < timeout < float("inf")):
-        raise ChapterError(f"timeout: expected a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+    try:
+        return check_number("timeout", timeout, minimum=0, min_open=True)
+    except (TypeError, ValueError):
+        raise ChapterError(f"timeout: expected a positive number of seconds, "
+                           f"got {timeout!r}") from None
 
 
 def check_device_available(device: str) -> None:
@@ -1112,28 +986,81 @@ def run_chapter(
         nproc = check_nproc(nproc)
         progress_seconds()  # a bad $COMPANION_PROGRESS_SECONDS is refused before the run
         check_device_available(str(params["device"]))
+        # a signal swallowed on the way here (inside an import: see interrupts) stops the
+        # run before anything starts
+        raise_if_interrupted()
         if out is not None:
             folder = check_out_folder(project, out)
             return _execute_into_folder(project, name, nb, pidx, defaults, params, folder,
                                         threads, timeout, nproc, echo)
-        changed = non_default_parameters(params, defaults)
-        if changed and not publish_non_default:
-            given = " ".join(f"-p {k} {shlex.quote(str(v))}" for k, v in changed.items())
-            raise ChapterError(
-                f"chapter {name!r}: {given} is not the chapter's default, and a run without "
-                "--out replaces the book's page (book/_generated/). To explore parameters, "
-                f"write the run into a folder of its own: python -m companion run {name} "
-                f"--out DIR {given}; to replace the book's page on purpose, add --publish.")
+        if not publish_non_default:
+            _refuse_non_default(name, params, defaults)
         with chapter_lock(project, name, echo):
             key = cache_key(project, name, params, nproc)
             previous = load_record(project, name, echo)
-            if (not force and previous and previous.get("status") == "ok"
-                    and previous.get("cache_key") == key and project.notebook(name).exists()):
-                echo(f"[cached] {name}: unchanged since {previous['finished']} "
-                     "(use --force to re-run)")
-                return RunResult(name, "cached", 0.0, record=previous)
+            if not force and is_cached(project, name, previous, key):
+                return _cached_result(name, previous, echo)
             return _execute_and_publish(project, name, nb, pidx, defaults, params, key,
                                         previous, threads, timeout, echo, nproc)
+
+
+def _refuse_non_default(name: str, params: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """ChapterError when ``params`` are not the chapter's defaults (a run without ``--out``
+    would replace the book's page with them)."""
+    changed = non_default_parameters(params, defaults)
+    if changed:
+        given = " ".join(f"-p {k} {shlex.quote(str(v))}" for k, v in changed.items())
+        raise ChapterError(
+            f"chapter {name!r}: {given} is not the chapter's default, and a run without "
+            "--out replaces the book's page (book/_generated/). To explore parameters, "
+            f"write the run into a folder of its own: python -m companion run {name} "
+            f"--out DIR {given}; to replace the book's page on purpose, add --publish.")
+
+
+def is_cached(project: Project, name: str, previous: dict[str, Any] | None, key: str) -> bool:
+    """Whether the published run ``previous`` of ``name`` is good and has cache key ``key``."""
+    return bool(previous and previous.get("status") == "ok"
+                and previous.get("cache_key") == key and project.notebook(name).exists())
+
+
+def _cached_result(name: str, previous: dict[str, Any],
+                   echo: Callable[[str], None]) -> RunResult:
+    echo(f"[cached] {name}: unchanged since {previous['finished']} (use --force to re-run)")
+    return RunResult(name, "cached", 0.0, record=previous)
+
+
+def cached_run(project: Project, name: str, *, scale: str | None, device: str | None,
+               nproc: int | None, echo: Callable[[str], None],
+               versions: list[str] | None = None) -> RunResult | None:
+    """The cached result of running ``name`` with these settings, without starting a
+    process, or None when it must run (or cannot say: the run then reports why).
+
+    What :func:`run_chapter` checks before it executes, done by :func:`run_many` for each
+    chapter first, so that an unchanged chapter costs no process. It holds the chapter's
+    lock while it looks; when another run holds it, the answer is None (the run waits).
+    """
+    import filelock
+
+    try:
+        _nb, _pidx, defaults, params = _prepare(project, name, scale, device, None)
+        nproc = check_nproc(nproc)
+    except ChapterError:
+        return None
+    path = project.generated / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(path))
+    try:
+        lock.acquire(blocking=False)
+    except filelock.Timeout:
+        return None
+    try:
+        previous = load_record(project, name)
+        key = cache_key(project, name, params, nproc, versions)
+        if not is_cached(project, name, previous, key):
+            return None
+        return _cached_result(name, previous, echo)
+    finally:
+        lock.release()
 
 
 # --------------------------------------------------------------------------- --out
@@ -1233,7 +1160,7 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
                          params: dict, folder: Path, threads: int | None, timeout: float,
                          nproc: int, echo: Callable[[str], None]) -> RunResult:
     """``run --out DIR``: execute the chapter into ``folder``; the book is not touched."""
-    commit, dirty = prov.git_state(project.root)
+    commit, dirty = git_state(project.root)
     folder.mkdir(parents=True, exist_ok=True)
     staging = folder / f".staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     input_nb = staging / f".{name}.input.ipynb"
@@ -1254,7 +1181,7 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
                                         timeout, progress, echo, pidx)
         error = _execution_error(outcome, pidx, timeout)
         input_nb.unlink()
-        record.update(seconds=time.time() - started, finished=prov.now_iso(),
+        record.update(seconds=time.time() - started, finished=now_iso(),
                       peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()
         html = None
@@ -1265,7 +1192,7 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
             if "{cite" in json.dumps([c.source for c in executed.cells]) and (
                     project.root / "book" / "references.bib").exists():
                 # the book lists references on a page of its own; this page lists its own
-                executed.cells.append(_markdown_cell("## References\n\n```{bibliography}\n```",
+                executed.cells.append(_markdown_cell(myst.references_section(),
                                                      "companion-references"))
             _write_notebook(executed, output_nb)
             html = _html_page(project, staging, name, echo)
@@ -1274,7 +1201,7 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
             if output_nb.exists():
                 os.replace(output_nb, staging / f"{name}.failed.ipynb")
         record["files"] = sorted(p.name for p in staging.iterdir()) + ["run.json"]
-        prov.atomic_write_text(staging / "run.json", prov.dumps(record))
+        atomic_write_text(staging / "run.json", dumps(record))
         raise_if_interrupted()
         with signals_deferred():
             _move_into(folder, staging)
@@ -1331,17 +1258,17 @@ def _kernel_env(name: str, output_dir: Path, asset_url: str, commit: str, dirty:
                 threads: int | None, nproc: int) -> dict[str, str]:
     """The environment through which the runner talks to the executing chapter."""
     env = {
-        prov.ENV_OUTPUT_DIR: str(output_dir),
-        prov.ENV_ASSET_URL: asset_url,
-        prov.ENV_CHAPTER: name,
-        prov.ENV_COMMIT: commit,
-        prov.ENV_DIRTY: "1" if dirty else "0",
+        ENV_OUTPUT_DIR: str(output_dir),
+        ENV_ASSET_URL: asset_url,
+        ENV_CHAPTER: name,
+        ENV_COMMIT: commit,
+        ENV_DIRTY: "1" if dirty else "0",
         ENV_NPROC: str(nproc),
         "PYTHONHASHSEED": "0",
         "MPLBACKEND": "Agg",
     }
     if threads:
-        env.update({prov.ENV_THREADS: str(threads), "OMP_NUM_THREADS": str(threads),
+        env.update({ENV_THREADS: str(threads), "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads)})
     return env
 
@@ -1353,7 +1280,7 @@ def _new_record(project: Project, name: str, params: dict, defaults: dict, nproc
     return {
         "chapter": name, "parameters": params, "defaults": defaults, "nproc": nproc,
         "git_commit": commit, "git_dirty": dirty, "repository": site.repository_url(project.root),
-        "started": prov.now_iso(), "command": rerun_command(name, params, defaults, nproc, out),
+        "started": now_iso(), "command": rerun_command(name, params, defaults, nproc, out),
         "device": params["device"],
     }
 
@@ -1367,7 +1294,7 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
                          params: dict, key: str, previous: dict | None, threads: int | None,
                          timeout: float, echo: Callable[[str], None],
                          nproc: int = 1) -> RunResult:
-    commit, dirty = prov.git_state(project.root)
+    commit, dirty = git_state(project.root)
     gen = project.generated
     remove_dead_staging(project, name)
     staging = gen / ".staging" / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -1394,7 +1321,7 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
         if error is None:
             executed = read_notebook_ipynb(output_nb)
             record["device"] = _detected_device(params["device"])
-        record.update(seconds=time.time() - started, finished=prov.now_iso(),
+        record.update(seconds=time.time() - started, finished=now_iso(),
                       peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()  # the last moment an interrupt leaves everything as it was
         with signals_deferred():
@@ -1402,13 +1329,13 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
                 record["status"] = "ok"
                 finish_notebook(executed, record)
                 _publish(project, name, executed, staging_assets, staged_log)
-                prov.atomic_write_text(project.run_record(name), prov.dumps(record))
+                atomic_write_text(project.run_record(name), dumps(record))
             else:
                 _publish_failure(project, name, nb, record, previous, error, staged_log,
                                  output_nb)
     except Exception as exc:  # noqa: BLE001 - our own steps failed: mark stale too
         error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
-        record.update(seconds=time.time() - started, finished=prov.now_iso())
+        record.update(seconds=time.time() - started, finished=now_iso())
         raise_if_interrupted()
         with signals_deferred():
             _publish_failure(project, name, nb, record, previous, error, staged_log, output_nb)
@@ -1440,8 +1367,7 @@ def _publish_failure(project: Project, name: str, nb, record: dict, previous: di
         previous.get("last_good") if previous else None)
     record["last_good"] = good
     _mark_stale(project, name, nb, record, good)
-    prov.atomic_write_text(project.run_record(name), prov.dumps(record))
-
+    atomic_write_text(project.run_record(name), dumps(record))
 
 
 def remove_dead_staging(project: Project, name: str) -> None:
@@ -1453,12 +1379,6 @@ def remove_dead_staging(project: Project, name: str) -> None:
         pid = int(parts[0]) if parts and parts[0].isdigit() else None
         if pid is None or not psutil.pid_exists(pid):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def read_notebook_ipynb(path: Path):
-    import nbformat
-
-    return nbformat.read(str(path), as_version=4)
 
 
 def _detected_device(requested: str) -> str:
@@ -1506,7 +1426,7 @@ def _mark_stale(project: Project, name: str, source_nb, record: dict, good: dict
         nb.cells = [nbformat.v4.new_markdown_cell(title)]
         nb.metadata = copy.deepcopy(source_nb.metadata)
     _strip_tagged(nb, STALE_TAG)
-    _insert_after_title(nb, _markdown_cell(stale_banner(record, good), STALE_TAG))
+    _insert_after_title(nb, _markdown_cell(myst.stale_banner(record, good), STALE_TAG))
     _write_notebook(nb, path)
 
 
@@ -1537,21 +1457,34 @@ def run_many(project: Project, names: list[str], *,
     """Execute chapters in parallel processes, torch threads divided between them.
 
     ``scale`` is one scale for all, or a mapping chapter -> scale (None: its default).
-    Each child's lines (its start with its log path, its progress every
-    :func:`progress_seconds`, its result) are echoed as they come.
+    A chapter whose published run is current (:func:`cached_run`) is reported cached
+    without a process. Each child's lines (its start with its log path, its progress
+    every :func:`progress_seconds`, its result) are echoed as they come; its status is
+    the result file it writes (``run --result-file``), not its words.
 
     On SIGINT or SIGTERM (a KeyboardInterrupt here) every running child gets SIGTERM,
     which makes it kill its kernel and remove its staging folder; they are waited for
     (killed after a generous deadline) and the interrupt is re-raised.
     """
     scales = scale if isinstance(scale, dict) else {name: scale for name in names}
-    jobs = max(1, min(jobs, len(names) or 1))
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    pending = list(names)
-    running: dict[str, tuple[subprocess.Popen, float, threading.Thread, list[str]]] = {}
     results: list[RunResult] = []
+    pending = list(names)
+    if not force:
+        versions = installed_versions()
+        for name in names:
+            cached = cached_run(project, name, scale=scales.get(name), device=device,
+                                nproc=nproc, echo=echo, versions=versions)
+            if cached is not None:
+                results.append(cached)
+                pending.remove(name)
+    if not pending:
+        return sorted(results, key=lambda r: names.index(r.name))
+    jobs = max(1, min(jobs, len(pending)))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    running: dict[str, _Child] = {}
     live: queue.Queue[tuple[str, str]] = queue.Queue()
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    results_dir = Path(tempfile.mkdtemp(prefix="companion-results-"))
 
     def echo_live() -> None:
         while True:
@@ -1566,49 +1499,94 @@ def run_many(project: Project, names: list[str], *,
         while pending or running:
             while pending and len(running) < jobs:
                 name = pending.pop(0)
-                cmd = [sys.executable, "-m", "companion", "run", name, "--root", str(project.root),
-                       "--threads", str(threads)]
-                if scales.get(name):
-                    cmd += ["--scale", str(scales[name])]
-                if device:
-                    cmd += ["--device", device]
-                if nproc is not None:
-                    cmd += ["--nproc", str(nproc)]
-                if force:
-                    cmd.append("--force")
-                if timeout is not None:
-                    cmd += ["--timeout", repr(timeout)]
+                result_file = results_dir / f"{name}.json"
+                cmd = _child_command(project, name, scales.get(name), device, threads,
+                                     nproc, force, timeout, result_file)
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=child_env)
                 lines: list[str] = []
                 reader = threading.Thread(target=_relay_output, args=(proc, name, lines, live),
                                           name=f"relay-{name}", daemon=True)
                 reader.start()
-                running[name] = (proc, time.time(), reader, lines)
+                running[name] = _Child(proc, time.time(), reader, lines, result_file)
             time.sleep(0.2)
             echo_live()
-            for name, (proc, t0, reader, lines) in list(running.items()):
-                if proc.poll() is None:
+            for name, child in list(running.items()):
+                if child.proc.poll() is None:
                     continue
-                reader.join()
+                child.reader.join()
                 echo_live()
-                out = "".join(lines)
                 del running[name]
-                record = load_record(project, name) or {}
-                if proc.returncode == 0:
-                    status = "cached" if "[cached]" in out else "ok"
-                    results.append(RunResult(name, status, time.time() - t0, record=record))
-                else:
-                    if "[FAILED" not in out:
-                        echo(f"[FAILED] {name}:\n{out.strip()}")
-                    results.append(RunResult(name, "failed", time.time() - t0,
-                                             error=record.get("error", out.strip()[-500:]),
-                                             record=record))
+                results.append(_child_result(project, name, child, echo))
     except KeyboardInterrupt:
         with signals_deferred():
-            _stop_children([proc for proc, *_ in running.values()])
+            _stop_children([child.proc for child in running.values()])
         raise
-    return results
+    finally:
+        shutil.rmtree(results_dir, ignore_errors=True)
+    return sorted(results, key=lambda r: names.index(r.name))
+
+
+@dataclass
+class _Child:
+    """A ``python -m companion run`` process started by :func:`run_many`."""
+
+    proc: subprocess.Popen
+    started: float
+    reader: threading.Thread
+    lines: list[str]
+    result_file: Path
+
+
+def _child_command(project: Project, name: str, scale: str | None, device: str | None,
+                   threads: int, nproc: int | None, force: bool, timeout: float | None,
+                   result_file: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "companion", "run", name, "--root", str(project.root),
+           "--threads", str(threads), "--result-file", str(result_file)]
+    if scale:
+        cmd += ["--scale", str(scale)]
+    if device:
+        cmd += ["--device", device]
+    if nproc is not None:
+        cmd += ["--nproc", str(nproc)]
+    if force:
+        cmd.append("--force")
+    if timeout is not None:
+        cmd += ["--timeout", repr(timeout)]
+    return cmd
+
+
+def read_result_file(path: Path) -> dict[str, Any] | None:
+    """The result a child run wrote (:func:`write_result_file`), or None when it wrote
+    none (it failed before, was killed) or the file is not a result."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and result.get("status") in (
+        "ok", "cached", "failed") else None
+
+
+def write_result_file(path: Path, result: RunResult) -> None:
+    """What ``run --result-file PATH`` leaves for :func:`run_many`: the run's status,
+    seconds and error, as JSON."""
+    atomic_write_text(Path(path), dumps({"name": result.name, "status": result.status,
+                                         "seconds": result.seconds, "error": result.error}))
+
+
+def _child_result(project: Project, name: str, child: _Child,
+                  echo: Callable[[str], None]) -> RunResult:
+    """The RunResult of a finished child: its result file's status (failed without one)."""
+    out = "".join(child.lines)
+    record = load_record(project, name) or {}
+    seconds = time.time() - child.started
+    result = read_result_file(child.result_file)
+    if child.proc.returncode == 0 and result is not None and result["status"] != "failed":
+        return RunResult(name, result["status"], seconds, record=record)
+    if "[FAILED" not in out:
+        echo(f"[FAILED] {name}:\n{out.strip()}")
+    error = (result or {}).get("error") or record.get("error", out.strip()[-500:])
+    return RunResult(name, "failed", seconds, error=error, record=record)
 
 
 def _stop_children(procs: list[subprocess.Popen], grace_seconds: float = 120.0) -> None:
@@ -1635,8 +1613,61 @@ def jupyter_book_executable() -> str:
     return found
 
 
+#: Folders whose files the HTML build never reads (relative to the project root), and
+#: folder names skipped wherever they are.
+_NOT_BOOK_SOURCES = ("book/_build", "book/_generated/logs", "book/_generated/locks",
+                     "book/_generated/.staging")
+_NOT_BOOK_SOURCE_NAMES = {".git", ".venv", ".cache", "__pycache__", "node_modules",
+                          ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints"}
+
+
+def _tree_state(root: Path, skip: tuple[str, ...] = ()) -> list[tuple[str, int, int]]:
+    """(path, size, mtime in ns) of every file under ``root``, but those under ``skip``."""
+    entries: list[tuple[str, int, int]] = []
+    skipped = {root / s for s in skip}
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_BOOK_SOURCE_NAMES
+                         and not d.endswith(".egg-info") and here / d not in skipped)
+        for f in sorted(files):
+            with contextlib.suppress(OSError):
+                st = (here / f).stat()
+                entries.append((str((here / f).relative_to(root)), st.st_size, st.st_mtime_ns))
+    return entries
+
+
+def _book_sources_state(project: Project) -> str:
+    """A hash of what the HTML build reads: every file of the project but the build's
+    own, logs and locks (name, size, modification time: how Sphinx judges a page
+    changed), the PDF the web book links, and the installed packages."""
+    pdf = project.build_dir / "latex" / "book.pdf"
+    state = {"sources": _tree_state(project.root, _NOT_BOOK_SOURCES),
+             "pdf": [pdf.stat().st_size, pdf.stat().st_mtime_ns] if pdf.is_file() else None,
+             "versions": installed_versions()}
+    return hashlib.sha256(json.dumps(state).encode()).hexdigest()
+
+
+def _book_output_state(project: Project) -> str:
+    """A hash of the built HTML (names, sizes, modification times)."""
+    state = _tree_state(project.build_dir / "html")
+    return hashlib.sha256(json.dumps(state).encode()).hexdigest()
+
+
+def _read_stamp(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
-    """Generate the index pages and build the HTML book with warnings as errors."""
+    """Generate the index pages and build the HTML book with warnings as errors.
+
+    When neither what the build reads nor what it wrote has changed since the last good
+    build (``book/_build/.companion-build-state.json``: :func:`_book_sources_state`
+    before that build, :func:`_book_output_state` after it), jupyter-book is not
+    started: the book is as it would make it.
+    """
     from companion.book import pages
 
     mathjax = project.root / "book" / "_static" / "mathjax" / "tex-chtml.js"
@@ -1646,6 +1677,15 @@ def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
         if project.source(name).exists():
             write_placeholder(project, name)
     pages.write_generated_pages(project)
+    html = project.build_dir / "html" / "index.html"
+    stamp = project.build_dir / ".companion-build-state.json"
+    sources = _book_sources_state(project)  # before the build: what it is going to read
+    if html.exists() and _read_stamp(stamp) == {"sources": sources,
+                                                "html": _book_output_state(project)}:
+        echo(f"[book] unchanged since the last build: open {html}")
+        return html
+    with contextlib.suppress(FileNotFoundError):
+        stamp.unlink()
     cmd = [jupyter_book_executable(), "build", str(project.root),
            "--path-output", str(project.root / "book"), "--warningiserror", "--keep-going"]
     echo("[book] " + " ".join(shlex.quote(c) for c in cmd))
@@ -1656,7 +1696,7 @@ def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
         raise ChapterError(f"jupyter-book build failed (log: {log}):\n{tail}")
-    html = project.build_dir / "html" / "index.html"
+    atomic_write_text(stamp, dumps({"sources": sources, "html": _book_output_state(project)}))
     echo(f"[book] built: open {html}")
     return html
 
