@@ -10,10 +10,11 @@ Each attention head owns ``k`` cluster embeddings ``C`` (``[k, d]``) and shares 
 * block connectivity ``S = softmax(vec(C C^T))`` reshaped to ``[k, k]`` (sums to one);
 * edge probabilities ``P = Qhat S Khat^T`` (``[n, m]``, every entry in ``[0, 1]``).
 
-:class:`SBMAttention` samples a bipartite graph ``A ~ P`` (:func:`companion.sbm.fastrg.
-fastrg_sample`), attends on the sampled edges only (:mod:`companion.sbm.graph_attention`)
-and back-propagates the sampling step with the straight-through estimator ``grad_P =
-hardtanh(A * grad_A)``; :func:`density_regularizer` is the density penalty of the loss.
+:class:`SBMAttention` samples a bipartite graph ``A ~ P``
+(:func:`companion.sbm.fastrg.fastrg_sample`), attends on the sampled edges only
+(:mod:`companion.sbm.graph_attention`) and back-propagates the sampling step with the
+straight-through estimator ``grad_P = hardtanh(A * grad_A)``; :func:`density_regularizer`
+is the density penalty of the loss.
 Time ``O(E (d + k) + (n + m) k (d + k))`` and memory ``O(E + (n + m)(d + k))`` per head.
 """
 
