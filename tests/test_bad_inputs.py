@@ -413,7 +413,7 @@ ROWS = [
         lambda: EA.edge_attention(_qkv()[0], torch.ones(0, 2), torch.ones(0, 2), _edges()),
         ValueError, r"^q, k: empty sequence, got n=3, m=0$"),
     Row("dense_masked_attention mask shape", "shape",
-        lambda: EA.dense_masked_attention(*_qkv(), torch.ones(3, 3, dtype=torch.bool)),
+        lambda: sbm.dense_masked_attention(*_qkv(), torch.ones(3, 3, dtype=torch.bool)),
         ValueError, r"^mask: expected shape \[\.\.\., 3, 4\], got \(3, 3\)$"),
     Row("edge_attention str scale", "type",
         lambda: EA.edge_attention(*_qkv(), _edges(), scale="x"), TypeError,
@@ -432,7 +432,7 @@ ROWS = [
         lambda: EA.edge_attention(_meta(3, 2), _meta(4, 2), _meta(4, 2), _edges()), ValueError,
         r"^q: expected a tensor with values, got one on the meta device$"),
     Row("dense_masked_attention 1-D q", "shape",
-        lambda: EA.dense_masked_attention(torch.ones(2), *_qkv()[1:],
+        lambda: sbm.dense_masked_attention(torch.ones(2), *_qkv()[1:],
                                           torch.ones(3, 4, dtype=torch.bool)), ValueError,
         r"^q: expected \[\.\.\., length, dim\], got shape \(2,\)$"),
     # ------------------------------------------------------------------ masked_transformer
