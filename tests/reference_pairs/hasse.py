@@ -28,6 +28,9 @@ def _mask(size: str, device, generator) -> torch.Tensor:
         mask.fill_diagonal_(False)
     elif kind == "randomdag":  # lower triangular, irregular
         mask = (torch.rand(n, n, generator=generator) < 0.3).tril(-1)
+    elif kind == "hubchain":  # every position attends 0: CSR neighbour lists
+        mask = M.chain(n)
+        mask[:, 0] = True
     elif kind == "empty":
         mask = torch.zeros(n, n, dtype=torch.bool)
     elif kind == "causal":
@@ -49,7 +52,7 @@ def _mask(size: str, device, generator) -> torch.Tensor:
 
 GRAPH_SIZES = ("empty-1", "causal-1", "chain-2", "random-7", "random-19", "randomdag-13",
                "chain-17", "window3-21", "blockcausal4-15", "bidirectional-5", "butterfly-5",
-               "empty-9")
+               "empty-9", "hubchain-23")
 
 
 def _make_mask(size, dtype, device, generator):
@@ -69,12 +72,52 @@ def _graphs_equal(fast, reference, dtype):
     assert fast.graph["n_positions"] == reference.graph["n_positions"]
 
 
-def _depth_by_blocks(words_per_node):
+def _depth_by_blocks(words_per_node, gather_words=1 << 22):
     def depth(mask):
         closure = _closure_bitset(mask)
-        return _depth_bitset(closure.packed, _reach_count(closure), words_per_node)
+        return _depth_bitset(closure.packed, _reach_count(closure), words_per_node,
+                             gather_words)
 
     return depth
+
+
+def _packed_from_mod(size, dtype, device, generator):
+    mask = _mask(size, "cpu", generator)
+    return (M.mask_mod(mask), mask.shape[0])
+
+
+def _packed_fast_mod(mod, n):  # blocks of 3 rows: several blocks at every size
+    result = RR.packed_order_structure(RR.packed_adjacency(mod, n, block_bytes=3 * n))
+    return RR.unpack_reach(result.reach, n), result.depth, result.hasse
+
+
+def _packed_fast_edges(q, k, n):
+    result = RR.packed_order_structure(RR.packed_adjacency_from_edges(q, k, n))
+    return RR.unpack_reach(result.reach, n), result.depth, result.hasse
+
+
+def _packed_reference_mod(mod, n):
+    mask = M.materialise(mod, n)
+    return (*ref.reachability_limit(mask), ref.hasse_diagram(mask))
+
+
+def _packed_from_edges(size, dtype, device, generator):
+    mask = _mask(size, "cpu", generator)
+    q, k = torch.nonzero(mask, as_tuple=True)
+    return q, k, mask.shape[0]
+
+
+def _packed_reference_edges(q, k, n):
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[q, k] = True
+    return (*ref.reachability_limit(mask), ref.hasse_diagram(mask))
+
+
+def _packed_same(fast, reference, dtype):
+    (r_fast, depth_fast, hasse_fast), (r_ref, depth_ref, hasse_ref) = fast, reference
+    assert torch.equal(r_fast, r_ref), "packed_order_structure: R differs"
+    assert depth_fast == depth_ref, f"packed_order_structure: depth {depth_fast} != {depth_ref}"
+    _graphs_equal(hasse_fast, hasse_ref, dtype)
 
 
 def _first_reach_layer_reference(mask):
@@ -89,6 +132,7 @@ def _first_reach_layer_reference(mask):
 # (mask name, the mod from masks.py, reference parameters, sizes)
 _MODS = [
     ("causal", lambda n: M.causal_mask_mod, (), (1, 2, 7)),
+    ("random", lambda n: M.random_mask_mod(0.3, seed=5), (0.3, 5), (1, 9)),
     ("chain", lambda n: M.chain_mask_mod, (), (1, 6)),
     ("bidirectional", lambda n: M.bidirectional_mask_mod, (), (1, 5)),
     ("sliding_window", lambda n: M.sliding_window_mask_mod(3), (3,), (1, 9)),
@@ -141,6 +185,15 @@ PAIRS = [
            reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
            sizes=("random-19", "chain-17", "window3-21", "butterfly-5"), dtypes=BOOL,
            exact=True, cuda=False) for w in (1, 2)],
+    Pair(name="hasse.depth_bitset.chunked", fast=_depth_by_blocks(None, gather_words=8),
+         reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
+         sizes=("random-19", "hubchain-23", "chain-17"), dtypes=BOOL, exact=True, cuda=False),
+    Pair(name="hasse.packed_order_structure.mask_mod", fast=_packed_fast_mod,
+         reference=_packed_reference_mod, make=_packed_from_mod, sizes=GRAPH_SIZES,
+         dtypes=BOOL, compare=_packed_same, cuda=False),
+    Pair(name="hasse.packed_order_structure.edges", fast=_packed_fast_edges,
+         reference=_packed_reference_edges, make=_packed_from_edges, sizes=GRAPH_SIZES,
+         dtypes=BOOL, compare=_packed_same, cuda=False),
     Pair(name="hasse.hasse_diagram.bitset",
          fast=lambda m: RR.hasse_diagram(m, method="bitset"), reference=ref.hasse_diagram,
          make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL, compare=_graphs_equal, cuda=False),

@@ -54,6 +54,8 @@ __all__ = [
     "prefix_lm",
     "prefix_lm_mask_mod",
     "random_mask",
+    "random_mask_mod",
+    "random_edges",
     "sliding_window",
     "sliding_window_mask_mod",
     "validate_mask",
@@ -200,6 +202,46 @@ def butterfly_mask_mod(n: int) -> MaskMod:
         return fwd | bwd | pred
 
     return _named(butterfly_mod, f"butterfly_{n}")
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32, by C. Wellons) on int64 tensors, exact: every
+    product is reduced to its low 32 bits."""
+    low = 0xFFFFFFFF
+    x = x & low
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & low
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & low
+    return x ^ (x >> 16)
+
+
+def random_mask_mod(p: float, seed: int = 0) -> MaskMod:
+    """Random mask as a closed-form mask_mod: each off-diagonal ``(q, k)`` is allowed with
+    probability ``p``, decided by a hash of ``(seed, q, k)``; the diagonal is False.
+
+    The long-sequence twin of :func:`random_mask` (same law, other draws): no table, so it
+    costs nothing to store at any ``n`` and gives the same pair the same answer on every
+    device, block and call.
+
+    >>> mod = random_mask_mod(0.5, seed=1)
+    >>> mod.__name__
+    'random_0.5_seed1'
+    >>> torch.equal(materialise(mod, 6), materialise(mod, 9)[:6, :6])
+    True
+    """
+    p = check_number("p", p, minimum=0.0, maximum=1.0, expected="a probability in [0, 1]")
+    seed = check_int("seed", seed, 0)
+    threshold = int(round(p * 2**32))
+
+    def random_mod(b, h, q_idx, kv_idx):
+        q = torch.as_tensor(q_idx).to(torch.int64)
+        k = torch.as_tensor(kv_idx).to(torch.int64)
+        x = _mix32(k + _mix32(q + _mix32(torch.as_tensor(seed, dtype=torch.int64,
+                                                         device=q.device))))
+        return (x < threshold) & (q != k)
+
+    return _named(random_mod, f"random_{p:g}_seed{seed}")
 
 
 def mask_mod(mask: torch.Tensor) -> MaskMod:
@@ -377,6 +419,45 @@ def random_mask(
         )
     out.fill_diagonal_(False)
     return out
+
+
+def random_edges(
+    n: int, p: float, *, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edges of a :func:`random_mask` without its ``n x n`` matrix: each off-diagonal
+    ``(q, k)`` independently with probability ``p``, as two int64 tensors ``(q, k)`` in
+    row-major order.
+
+    The gaps between successive edges (pairs numbered row by row, diagonal skipped) are
+    geometric, drawn in batches: time and memory ``O(p n^2)`` instead of ``O(n^2)``.
+    The same law as :func:`random_mask`, other draws.
+
+    >>> q, k = random_edges(5, 1.0)
+    >>> q.tolist()[:6], k.tolist()[:6]
+    ([0, 0, 0, 0, 1, 1], [1, 2, 3, 4, 0, 2])
+    >>> random_edges(3, 0.0)[0].numel()
+    0
+    """
+    check_int("n", n, 1)
+    p = check_number("p", p, minimum=0.0, maximum=1.0, expected="a probability in [0, 1]")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {describe(generator)}")
+    pairs = n * (n - 1)
+    if p == 0.0 or pairs == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty.clone()
+    log_q = torch.log1p(torch.tensor(-p, dtype=torch.float64))
+    batch = int(p * pairs * 1.05) + 64
+    flat, last = [], -1
+    while last < pairs:
+        u = 1.0 - torch.rand(batch, generator=generator, dtype=torch.float64)  # (0, 1]
+        gaps = (torch.log(u) / log_q).floor().clamp(max=pairs).to(torch.int64) + 1
+        positions = last + torch.cumsum(gaps, 0)
+        flat.append(positions[positions < pairs])
+        last = int(positions[-1])
+    index = torch.cat(flat)
+    q, j = index // (n - 1), index % (n - 1)
+    return q, j + (j >= q).to(torch.int64)
 
 
 class TwoStreamMasks(NamedTuple):

@@ -63,16 +63,21 @@ from companion.hasse.masks import validate_mask
 
 __all__ = [
     "OrderStructure",
+    "PackedOrderStructure",
     "condensation_graph",
     "first_reach_layer",
     "hasse_diagram",
     "layer_adjacency",
     "mask_graph",
     "order_structure",
+    "packed_adjacency",
+    "packed_adjacency_from_edges",
+    "packed_order_structure",
     "reachability",
     "reachability_limit",
     "reachability_sequence",
     "tokens_reached",
+    "unpack_reach",
 ]
 
 _METHODS = ("auto", "bitset", "matmul")
@@ -268,10 +273,20 @@ def _closure_bitset(mask: torch.Tensor) -> _Closure:
             f"mask: method='bitset' runs on the CPU, got a tensor on {mask.device}; "
             "pass mask.cpu() or use method='matmul'"
         )
-    n = mask.shape[0]
     packed = _pack_rows(mask.numpy())
-    diag = np.arange(n)
-    packed[diag, diag >> 6] |= np.left_shift(np.uint64(1), (diag & 63).astype(np.uint64))
+    _set_diagonal(packed)
+    return _closure_packed(packed)
+
+
+def _set_diagonal(packed: np.ndarray, start: int = 0) -> None:
+    """OR the identity into packed rows ``start .. start + len(packed) - 1`` (in place)."""
+    q = np.arange(start, start + packed.shape[0])
+    packed[q - start, q >> 6] |= np.left_shift(np.uint64(1), (q & 63).astype(np.uint64))
+
+
+def _closure_packed(packed: np.ndarray) -> _Closure:
+    """Classes, class-level closure and covers of ``A`` given packed (``A = M OR I``)."""
+    n = packed.shape[0]
     triangular = _is_lower_triangular(packed)
     if triangular:
         # Every edge goes from a lower to a higher position: positions are the classes
@@ -355,8 +370,9 @@ def _expand_reach(closure: _Closure) -> np.ndarray:
 
 
 class _Adjacency(NamedTuple):
-    """Neighbour lists of ``n`` nodes: CSR (``ptr``, ``idx``) and, when the degrees are
-    nearly uniform, a padded table (ELL) whose pad entries are ``n``."""
+    """Neighbour lists of ``n`` nodes: CSR (``ptr``, ``idx``) and, when no degree is far
+    above the mean, a padded slot-major table (ELL, ``(width, n + 1)``) whose pad entries
+    are ``n``."""
 
     ptr: np.ndarray
     idx: np.ndarray
@@ -370,17 +386,17 @@ def _adjacency(keys: np.ndarray, values: np.ndarray, n: int) -> _Adjacency:
     ptr = np.concatenate(([0], np.cumsum(counts)))
     width = int(counts.max()) if counts.size else 0
     table = None
-    if width and width <= 2 * counts.mean() + 2:
-        table = np.full((n, width), n, dtype=np.int32)  # int32 halves the gather traffic
-        table[keys, np.arange(keys.size) - ptr[keys]] = values
+    if width and width <= 4 * counts.mean() + 4:
+        # slot-major (width, n + 1): slot j of every node is one contiguous row; pad and
+        # the dummy node n point at the dummy, whose words are always 0. int32 halves
+        # the gather traffic.
+        table = np.full((width, n + 1), n, dtype=np.int32)
+        table[np.arange(keys.size) - ptr[keys], keys] = values
     return _Adjacency(ptr, values.astype(np.int32), table)
 
 
 def _neighbours(adj: _Adjacency, nodes: np.ndarray):
-    """Neighbours of ``nodes``: (table (len(nodes), w) padded with n, None) for ELL,
-    or (flat array, counts) for CSR."""
-    if adj.table is not None:
-        return adj.table[nodes], None
+    """Neighbours of ``nodes`` from the CSR lists: (flat array, counts)."""
     starts = adj.ptr[nodes]
     counts = adj.ptr[nodes + 1] - starts
     total = int(counts.sum())
@@ -388,7 +404,42 @@ def _neighbours(adj: _Adjacency, nodes: np.ndarray):
     return adj.idx[flat], counts
 
 
-def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None = None) -> int:
+def _pull(frontier_words: np.ndarray, in_adj: _Adjacency, cand: np.ndarray,
+          stride: np.int32, gather_words: int = 1 << 22) -> np.ndarray:
+    """OR of the frontier words of each candidate's in-neighbours (same block).
+
+    ELL: one gather and OR per slot, over all candidates at once (no gathered block is
+    kept). CSR: gathered and reduced in chunks of about ``gather_words`` words, so
+    that memory stays bounded."""
+    node = cand % stride
+    base = cand - node
+    if in_adj.table is not None:
+        slots = in_adj.table
+        acc = frontier_words[slots[0][node] + base]
+        for j in range(1, slots.shape[0]):
+            acc |= frontier_words[slots[j][node] + base]
+        return acc
+    kw = 1 if frontier_words.ndim == 1 else frontier_words.shape[1]
+    per_cand = (in_adj.ptr[node + 1] - in_adj.ptr[node]).astype(np.int64)
+    ends = np.cumsum(per_cand) * kw
+    cuts = np.searchsorted(ends, np.arange(gather_words, int(ends[-1]) if ends.size else 0,
+                                           gather_words), side="right")
+    out = []
+    for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [cand.size]))):
+        if hi <= lo:
+            continue
+        senders, counts = _neighbours(in_adj, node[lo:hi])
+        gathered = frontier_words[senders + np.repeat(base[lo:hi], counts)]
+        out.append(np.bitwise_or.reduceat(gathered, np.cumsum(counts) - counts, axis=0))
+    if len(out) == 1:
+        return out[0]
+    if not out:
+        return np.zeros((0,) + frontier_words.shape[1:], dtype=np.uint64)
+    return np.concatenate(out)
+
+
+def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None = None,
+                  gather_words: int = 1 << 22) -> int:
     """Smallest L with A^L = R, given A packed and the number of True entries of R.
 
     Breadth-first search from all sources at once: sources are grouped in blocks of
@@ -399,7 +450,8 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
     in-neighbours. For banded graphs (every edge spans at most ``b`` positions) the
     frontier of a block is a band of ``64 * words + b`` nodes, so narrow blocks do the
     least work; for graphs with long edges wide blocks amortise the index arithmetic.
-    ``words_per_node=None`` picks ``clip(b / 64, 1, 16)``.
+    ``words_per_node=None`` picks ``clip(b / 64, 1, 64)`` (a power of two), at most the
+    ``ceil(n / 64)`` words one block of all sources needs.
     """
     n = packed.shape[0]
     a_count = int(np.bitwise_count(packed).sum())
@@ -410,7 +462,8 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
     q_idx, k_idx = q_idx[off], k_idx[off]
     if words_per_node is None:
         bandwidth = int(np.abs(q_idx - k_idx).max())
-        words_per_node = int(np.clip(2 ** round(np.log2(max(bandwidth, 1) / 64)), 1, 16))
+        words_per_node = min(int(np.clip(2 ** round(np.log2(max(bandwidth, 1) / 64)), 1, 64)),
+                             (n + 63) // 64)
     kw = words_per_node
     group = 64 * kw
     n_blocks = (n + group - 1) // group
@@ -438,24 +491,18 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
     stride32 = np.int32(stride)
     while front.size:
         frontier_words[front] = words
-        block_base = (front // stride32) * stride32
-        receivers, counts = _neighbours(out_adj, front - block_base)
-        if counts is None:
-            receivers = receivers + block_base[:, None]
+        front_node = front % stride32
+        block_base = front - front_node
+        if out_adj.table is not None:
+            for slot in out_adj.table:
+                marks[slot[front_node] + block_base] = True
         else:
-            receivers = receivers + np.repeat(block_base, counts)
-        marks[receivers.ravel()] = True
+            receivers, counts = _neighbours(out_adj, front_node)
+            marks[receivers + np.repeat(block_base, counts)] = True
         marks[dummies] = False
         cand = np.flatnonzero(marks).astype(np.int32)
         marks[cand] = False
-        cand_base = (cand // stride32) * stride32
-        senders, counts = _neighbours(in_adj, cand - cand_base)
-        if counts is None:
-            gathered = frontier_words[senders + cand_base[:, None]]
-            new = np.bitwise_or.reduce(gathered, axis=1)
-        else:
-            gathered = frontier_words[senders + np.repeat(cand_base, counts)]
-            new = np.bitwise_or.reduceat(gathered, np.cumsum(counts) - counts, axis=0)
+        new = _pull(frontier_words, in_adj, cand, stride32, gather_words)
         new &= ~visited[cand]
         frontier_words[front] = 0
         keep = new != 0 if kw == 1 else new.any(axis=1)
@@ -668,3 +715,149 @@ def __getattr__(name: str):
 
         return getattr(draw, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ------------------------------------------------- long sequences: never n^2 bools
+class PackedOrderStructure(NamedTuple):
+    """What :func:`packed_order_structure` computes: :class:`OrderStructure` with ``R``
+    bit-packed (``n^2 / 8`` bytes instead of ``n^2``)."""
+
+    reach: np.ndarray  # (n, ceil(n / 64)) uint64: bit k of row q (word k // 64) = R[q, k]
+    depth: int  # smallest L with A^L = R (-1 when not computed)
+    hasse: nx.DiGraph  # Hasse diagram of the classes, numbered as hasse_diagram numbers them
+    labels: np.ndarray  # (n,) int64: Hasse node of each position
+
+
+def packed_adjacency(mod, n: int, *, block_bytes: int = 1 << 22) -> np.ndarray:
+    """``A = M OR I`` of a ``mask_mod`` on ``n`` positions, bit-packed: bit ``k`` of row
+    ``q`` (word ``k // 64``) is ``A[q, k]``.
+
+    The mod is evaluated on blocks of rows (at most ``block_bytes`` bools at a time) and
+    each block is packed at once, so no ``n x n`` bool tensor is formed: memory
+    ``n^2 / 8`` bytes plus one block.
+
+    >>> from companion.hasse.masks import chain_mask_mod
+    >>> packed_adjacency(chain_mask_mod, 3)[:, 0].tolist()  # rows 1, 3 = 0b11, 6 = 0b110
+    [1, 3, 6]
+    """
+    n = check_int("n", n, minimum=1)
+    block_bytes = check_int("block_bytes", block_bytes, minimum=1)
+    if not callable(mod):
+        raise TypeError(f"mod: expected a mask_mod(b, h, q_idx, kv_idx), got {describe(mod)}")
+    words = (n + 63) // 64
+    packed = np.zeros((n, words), dtype=np.uint64)
+    rows = max(1, block_bytes // n)
+    index = torch.int32 if n < 2**31 else torch.int64  # as FlexAttention passes them
+    zero = torch.zeros((), dtype=index)
+    keys = torch.arange(n, dtype=index)[None, :]
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        queries = torch.arange(start, stop, dtype=index)[:, None]
+        block = torch.broadcast_to(torch.as_tensor(mod(zero, zero, queries, keys)),
+                                   (stop - start, n)).to(torch.bool)
+        packed[start:stop] = _pack_rows(block.numpy())
+        _set_diagonal(packed[start:stop], start)
+    return packed
+
+
+def _position_reach(closure: _Closure, n: int) -> np.ndarray:
+    """Packed position-level R from the class-level closure, without n^2 bools: the
+    classes are swept in topological order, each OR-ing the member bit sets of its
+    covers' rows (every class below ``c`` lies below a cover of ``c``)."""
+    labels = closure.labels
+    if closure.triangular and np.array_equal(labels, np.arange(n)):
+        return _packed_from_ints(closure.reach, n)
+    n_classes = len(closure.reach)
+    words = (n + 63) // 64
+    members = np.zeros((n_classes, words), dtype=np.uint64)
+    q = np.arange(n)
+    np.bitwise_or.at(members, (labels, q >> 6),
+                     np.left_shift(np.uint64(1), (q & 63).astype(np.uint64)))
+    rows = _ints_from_packed(members)
+    del members
+    covers = closure.covers[np.argsort(closure.covers[:, 1], kind="stable")]
+    bounds = np.searchsorted(covers[:, 1], np.arange(n_classes + 1))
+    lower = covers[:, 0].tolist()
+    for c in range(n_classes):  # class ids are topological: covers come first
+        row = rows[c]
+        for u in lower[bounds[c]:bounds[c + 1]]:
+            row |= rows[u]
+        rows[c] = row
+    return _packed_from_ints([rows[label] for label in labels.tolist()], n)
+
+
+def packed_adjacency_from_edges(q_idx, kv_idx, n: int) -> np.ndarray:
+    """``A = M OR I`` packed as :func:`packed_adjacency` packs it, from the mask's edge
+    list: ``M[q_idx[i], kv_idx[i]] = True`` (integer sequences or tensors of one length;
+    repeats allowed). Memory ``n^2 / 8`` bytes plus the edges.
+
+    >>> packed_adjacency_from_edges([2], [0], 3)[:, 0].tolist()  # 0b101 = 5
+    [1, 2, 5]
+    """
+    n = check_int("n", n, minimum=1)
+    q = torch.as_tensor(q_idx).cpu().numpy()
+    k = torch.as_tensor(kv_idx).cpu().numpy()
+    if q.ndim != 1 or k.shape != q.shape or not (np.issubdtype(q.dtype, np.integer)
+                                                 and np.issubdtype(k.dtype, np.integer)):
+        raise ValueError(f"q_idx, kv_idx: expected two 1-D integer sequences of one length, "
+                         f"got shapes {q.shape} and {k.shape}")
+    if q.size and (min(q.min(), k.min()) < 0 or max(q.max(), k.max()) >= n):
+        raise ValueError(f"q_idx, kv_idx: expected positions in [0, {n}), got "
+                         f"[{min(q.min(), k.min())}, {max(q.max(), k.max())}]")
+    packed = np.zeros((n, (n + 63) // 64), dtype=np.uint64)
+    k = k.astype(np.int64)
+    np.bitwise_or.at(packed, (q.astype(np.int64), k >> 6),
+                     np.left_shift(np.uint64(1), (k & 63).astype(np.uint64)))
+    _set_diagonal(packed)
+    return packed
+
+
+def packed_order_structure(packed: np.ndarray, *,
+                           compute_depth: bool = True) -> PackedOrderStructure:
+    """Limit reachability (bit-packed), depth and Hasse diagram from a packed ``A``
+    (:func:`packed_adjacency` of a ``mask_mod``, :func:`packed_adjacency_from_edges` of
+    an edge list), for long sequences: no ``n x n`` bool array is ever formed.
+
+    The same results as :func:`order_structure` on the dense mask (``R`` packed like
+    ``A``; :func:`unpack_reach` gives the dense one back), by the same bitset algorithms.
+    Memory about ``5 n^2 / 8`` bytes (``A``, the closure's rows, ``R``, the depth
+    search's two bit sets per node), under 1 GiB at ``n = 32768`` for causal,
+    sliding-window and sparse random masks. Masks whose graph has cycles go through the
+    edge list (scipy's strongly connected components), so a dense non-triangular mask
+    (bidirectional, block-causal) at such ``n`` needs memory for its ``n^2`` edges.
+
+    >>> from companion.hasse.masks import sliding_window_mask_mod
+    >>> result = packed_order_structure(packed_adjacency(sliding_window_mask_mod(3), 7))
+    >>> result.depth, result.hasse.number_of_edges()
+    (3, 6)
+    >>> bool(unpack_reach(result.reach, 7)[6, 0])
+    True
+    """
+    compute_depth = check_bool("compute_depth", compute_depth)
+    if not isinstance(packed, np.ndarray) or packed.dtype != np.uint64 or packed.ndim != 2 \
+            or packed.shape[0] < 1 or packed.shape[1] != (packed.shape[0] + 63) // 64:
+        raise ValueError(f"packed: expected an (n, ceil(n / 64)) uint64 array with n >= 1, "
+                         f"got {describe(packed)}")
+    n = packed.shape[0]
+    closure = _closure_packed(packed)
+    reach = _position_reach(closure, n)
+    r_count = int(np.bitwise_count(reach).sum())
+    hasse = _build_hasse(closure.labels, closure.covers, len(closure.reach))
+    labels = closure.labels
+    del closure
+    depth = _depth_bitset(packed, r_count) if compute_depth else -1
+    return PackedOrderStructure(reach, depth, hasse, labels)
+
+
+def unpack_reach(reach: np.ndarray, n: int) -> torch.Tensor:
+    """The dense ``(n, n)`` bool tensor of packed rows (:class:`PackedOrderStructure`).
+
+    >>> unpack_reach(np.array([[1], [3]], dtype=np.uint64), 2).int().tolist()
+    [[1, 0], [1, 1]]
+    """
+    n = check_int("n", n, minimum=1)
+    if not isinstance(reach, np.ndarray) or reach.dtype != np.uint64 or reach.ndim != 2 \
+            or reach.shape != (n, (n + 63) // 64):
+        raise ValueError(f"reach: expected a ({n}, {(n + 63) // 64}) uint64 array, got "
+                         f"{describe(reach)}")
+    return torch.from_numpy(_unpack_rows(reach, n))

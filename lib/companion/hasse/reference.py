@@ -173,6 +173,22 @@ def _block_two_stream(n: int, block: int):
     return allowed
 
 
+def _mix32(x: int) -> int:
+    """lowbias32 (C. Wellons): a 32-bit integer hash."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _random(p: float, seed: int):
+    """Pair ``(q, k)``, ``q != k``, allowed when its hash falls below ``p * 2^32``."""
+    threshold = int(round(p * 2**32))
+    return lambda q, k: q != k and _mix32(k + _mix32(q + _mix32(seed))) < threshold
+
+
 #: Each mask of :mod:`companion.hasse.masks` as a predicate ``allowed(q, k)`` on one
 #: pair, by its parameters: ``PREDICATES[name](*parameters)(q, k)``.
 PREDICATES = {
@@ -184,6 +200,7 @@ PREDICATES = {
     "prefix_lm": lambda prefix: lambda q, k: k < prefix or k <= q,
     "butterfly": _butterfly,
     "block_two_stream": _block_two_stream,
+    "random": _random,
 }
 
 
