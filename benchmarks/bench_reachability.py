@@ -14,8 +14,16 @@ n = 256, 1024, 4096, plus n = 8192 for ours alone (the scale target). Baselines 
 child process under a time limit; a run that hits the limit is reported as a lower bound
 (">= limit") and so is its speed-up ratio.
 
-Usage: ``.venv/bin/python benchmarks/bench_reachability.py [--quick]``. Writes
-``benchmarks/results/reachability.json`` and ``.md``.
+Long sequences (issue 16, target 5: n = 32768, each mask <= 30 s and <= 2 GiB):
+``packed_order_structure`` from the mask's packed ``A`` (causal and sliding window from
+their ``mask_mod``, packed a block of rows at a time; random from its edge list,
+``masks.random_edges``), never an ``n x n`` bool array. Each mask runs in a fresh child
+process, which reports its time (building ``A`` included) and its peak resident memory
+(``ru_maxrss``, the interpreter and torch included; the memory after imports is given
+too).
+
+Usage: ``.venv/bin/python benchmarks/bench_reachability.py [--quick] [--long-only]
+[--long-n N]``. Writes ``benchmarks/results/reachability.json`` and ``.md``.
 """
 from __future__ import annotations
 
@@ -76,6 +84,37 @@ def run_ours(kind: str, n: int, method: str = "bitset"):
     }
 
 
+def run_long(kind: str, n: int):
+    """Time and peak memory of R (packed), depth and Hasse diagram at long n, in this
+    (fresh) process."""
+    import resource
+
+    from companion.hasse.reachability import (packed_adjacency, packed_adjacency_from_edges,
+                                              packed_order_structure)
+
+    after_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if kind == "random4/n":
+        q, k = M.random_edges(n, 4.0 / n, generator=torch.Generator().manual_seed(n))
+        packed = packed_adjacency_from_edges(q, k, n)
+        del q, k
+    else:
+        mod = M.causal_mask_mod if kind == "causal" else M.sliding_window_mask_mod(64)
+        packed = packed_adjacency(mod, n)
+    built = time.perf_counter()
+    res = packed_order_structure(packed)
+    seconds = time.perf_counter() - start
+    return seconds, {
+        "build_A_s": built - start,
+        "R_entries": int(np.bitwise_count(res.reach).sum()),
+        "classes": res.hasse.number_of_nodes(),
+        "hasse_edges": res.hasse.number_of_edges(),
+        "depth": res.depth,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_after_imports_bytes": after_imports * 1024,
+    }
+
+
 def _child(conn, fn, args):
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     conn.send("ready")  # imports done: the time limit starts now
@@ -114,6 +153,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 256, 1024 and 8192 only")
     parser.add_argument("--limit", type=float, default=None, help="baseline time limit (s)")
+    parser.add_argument("--long-only", action="store_true",
+                        help="only the long-sequence rows (n = --long-n)")
+    parser.add_argument("--long-n", type=int, default=32768, help="n of the long rows")
     args = parser.parse_args(argv)
     sizes = [256, 1024] if args.quick else [256, 1024, 4096]
     limit = args.limit or (30.0 if args.quick else 150.0)
@@ -121,6 +163,18 @@ def main(argv=None):
     torch.set_num_threads(2)
     rows = []
     start_all = time.perf_counter()
+    long_rows = []
+    for kind in kinds:
+        seconds, info = timed_in_child(run_long, (kind, args.long_n), 600.0)
+        row = {"mask": kind, "n": args.long_n, "seconds": seconds, "timed_out": seconds is None,
+               **(info or {})}
+        long_rows.append(row)
+        print(_format_long(row), flush=True)
+    if args.long_only:
+        report = {"benchmark": "reachability_long", "machine": _machine(), "long_rows": long_rows,
+                  "wall_seconds": time.perf_counter() - start_all}
+        write_results("reachability_long", report, _markdown_long(report))
+        return
     for n in sizes + [8192]:
         for kind in kinds:
             repeats = 3 if n <= 1024 else 1
@@ -155,21 +209,65 @@ def main(argv=None):
     report = {
         "benchmark": "reachability",
         "quick": args.quick,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "load_average_at_end": os.getloadavg(),
-        },
+        "machine": _machine(),
         "baseline_time_limit_s": limit,
         "rows": rows,
         "growth_exponent_ours": growth,
         "target_n8192_seconds": target,
         "target_n8192_total_seconds": sum(target.values()),
+        "long_rows": long_rows,
         "wall_seconds": time.perf_counter() - start_all,
     }
-    write_results("reachability", report, _markdown(report))
+    write_results("reachability", report, _markdown(report) + "\n" + _markdown_long(report))
+
+
+def _machine():
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "load_average_at_end": os.getloadavg(),
+    }
+
+
+_GIB = 2**30
+LONG_TARGET_SECONDS, LONG_TARGET_BYTES = 30.0, 2 * _GIB
+
+
+def _format_long(row):
+    if row["timed_out"]:
+        return f"{row['mask']:>10} n={row['n']}  timed out"
+    return (f"{row['mask']:>10} n={row['n']}  {row['seconds']:.2f} s (A {row['build_A_s']:.2f} s)"
+            f"  peak {row['peak_rss_bytes'] / _GIB:.2f} GiB  depth {row['depth']}"
+            f"  classes {row['classes']}  hasse edges {row['hasse_edges']}")
+
+
+def _markdown_long(report):
+    machine = report["machine"]
+    lines = [
+        f"## Long sequences: packed R, depth and Hasse diagram "
+        f"(target <= {LONG_TARGET_SECONDS:.0f} s and <= {LONG_TARGET_BYTES / _GIB:.0f} GiB each)",
+        "",
+        f"Machine: {machine['cpus']} CPUs, torch {machine['torch']}, load average at end "
+        f"{', '.join(f'{x:.1f}' for x in machine['load_average_at_end'])}.",
+        "",
+        "| mask | n | seconds | of which A | peak RSS (GiB) | after imports (GiB) | depth "
+        "| classes | Hasse edges | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["long_rows"]:
+        if r["timed_out"]:
+            lines.append(f"| {r['mask']} | {r['n']} | > 600 | | | | | | | missed |")
+            continue
+        met = r["seconds"] <= LONG_TARGET_SECONDS and r["peak_rss_bytes"] <= LONG_TARGET_BYTES
+        lines.append(
+            f"| {r['mask']} | {r['n']} | {r['seconds']:.2f} | {r['build_A_s']:.2f} "
+            f"| {r['peak_rss_bytes'] / _GIB:.2f} | {r['rss_after_imports_bytes'] / _GIB:.2f} "
+            f"| {r['depth']} | {r['classes']} | {r['hasse_edges']} "
+            f"| {'met' if met else 'missed'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _fmt_time(seconds, lower_bound, limit):
