@@ -57,6 +57,19 @@ def time_ours(x, D, steps, dt=5e-3, cpu=False):
     return (wall, (time.process_time() - c0) / (steps + 1)) if cpu else wall
 
 
+def time_many(x, D, steps, workers, dt=5e-3):
+    """Wall seconds of ``gf.simulate_many`` running one run's paths on ``workers``
+    processes: ``(start, total)``, a one-step call (spawning the workers, importing torch)
+    and a call of ``steps`` steps, start included."""
+    def call(k):
+        run = dict(tokens=x, weights=D, process=gf.OrnsteinUhlenbeck(), T=k * dt, dt=dt,
+                   record_every=5, generator=torch.Generator().manual_seed(1))
+        t0 = time.perf_counter()
+        gf.simulate_many([run], workers=workers)
+        return time.perf_counter() - t0
+    return call(1), call(steps)
+
+
 def time_baseline(x, D, dt=5e-3):
     proc = gf.OrnsteinUhlenbeck()
     z = torch.randn(D.shape, dtype=D.dtype)
@@ -187,12 +200,30 @@ def main():
     ours = speed[best]["ours_s_per_step"]
     agree = agreement(x, D)
 
-    per_h = {}
+    per_h, cpu_h = {}, {}
     for h in (1, 10):
         xh, Dh, _ = make_state(n, h, P)
-        per_h[h] = time_ours(xh, Dh, 20)
+        per_h[h], cpu_h[h] = time_ours(xh, Dh, 20, cpu=True)
     per_h[100] = ours
     paper_ours = PAPER_STEPS * sum(per_h.values())
+    # gf.simulate_many (issue 14): the runs' paths on worker processes, one thread each
+    workers = max(1, min(os.cpu_count() or 1, default_threads))
+    many = None
+    if workers > 1:
+        torch.set_num_threads(1)
+        cpu_h[100] = time_ours(x, D, ours_steps, cpu=True)[1]
+        torch.set_num_threads(default_threads)
+        many_steps = 100 if args.quick else 400
+        threads_s = time_ours(x, D, many_steps) * (many_steps + 1)  # then the processes
+        start_s, many_s = time_many(x, D, many_steps, workers)
+        many = {"workers": workers, "steps": many_steps, "start_s": start_s,
+                "total_s": many_s, "threads_total_s": threads_s, "threads": default_threads,
+                "speedup_vs_threads": threads_s / many_s,
+                # the chapter's 3 regimes x H in {1, 10, 100}, from 1-thread CPU s/step
+                "paper_chapter_runs_minutes_estimate":
+                    (3 * PAPER_STEPS * sum(cpu_h.values()) / workers + start_s) / 60,
+                "cpu_s_per_step_1_thread_by_heads": cpu_h}
+        torch.set_num_threads(best)
     paper_base = PAPER_STEPS * base * (1 + 0.1 + 0.01)  # the baseline's cost is linear in H
 
     memory = []
@@ -220,6 +251,7 @@ def main():
         "max_relative_difference": agree,
         "ours_s_per_step_by_heads": per_h,
         "paper_scale_minutes": {"ours": paper_ours / 60, "baseline": paper_base / 60},
+        "simulate_many": many,
         "memory": memory,
         "machine_limit": limit,
         "quick": args.quick,
@@ -256,6 +288,15 @@ def main():
         "one regime): "
         f"ours {paper_ours / 60:.1f} min, baseline {paper_base / 60:.1f} min (projected).",
     ]
+    if many:
+        lines += ["", f"gf.simulate_many, one paper-setting run (H = 100, {many['steps']} steps) "
+                  f"on {many['workers']} processes: {many['total_s']:.1f} s (of which about "
+                  f"{many['start_s']:.1f} s start), against simulate on {many['threads']} "
+                  f"threads {many['threads_total_s']:.1f} s "
+                  f"({many['speedup_vs_threads']:.2f}x). The chapter's 9 paper runs "
+                  f"(3 regimes, H in {{1, 10, 100}}) from the 1-thread CPU time per step: "
+                  f"about {many['paper_chapter_runs_minutes_estimate']:.1f} min on "
+                  f"{many['workers']} processes."]
     if memory:
         lines += ["", "| n | ours peak MB | baseline peak MB | one P*H*n^2 float64 tensor MB |",
                   "|---|---|---|---|"]

@@ -439,10 +439,11 @@ def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
         if unknown:
             raise ValueError(f"runs[{i}]: unknown simulate arguments {sorted(unknown)}")
     workers = torch.get_num_threads() if workers is None else check_int("workers", workers, 1)
-    on_cpu = all(torch.as_tensor(run.get("tokens")).device.type == "cpu" for run in runs)
-    if workers == 1 or not on_cpu or not runs:
+    if workers == 1 or not runs:
         return [simulate(**run) for run in runs]
     checked = [_checked_run(i, run) for i, run in enumerate(runs)]
+    if any(run["tokens"].device.type != "cpu" for run in checked):
+        return [simulate(**run) for run in runs]
     pieces = []  # (cost, run index, start, stop)
     for r, run in enumerate(checked):
         P, n, _ = run["tokens"].shape
