@@ -47,8 +47,9 @@ as an inequality. :func:`simulate` records both residuals.
 Layout. :mod:`~companion.gradient_flow.reference` holds the equations as plain code (the
 tests' reference), :mod:`~companion.gradient_flow.kernels` the fast batched step
 (:func:`step_quantities`, tuned by a :class:`KernelTuning` argument),
-:mod:`~companion.gradient_flow.simulation` the initial conditions, weight processes and
-:func:`simulate`, and :mod:`~companion.gradient_flow.analysis` the fits, bootstrap
+:mod:`~companion.gradient_flow.simulation` the initial conditions, weight processes,
+:func:`simulate` and :func:`simulate_many` (independent runs on worker processes, the same
+trajectories bit for bit), and :mod:`~companion.gradient_flow.analysis` the fits, bootstrap
 intervals, distances and stability constants the chapter reads trajectories with.
 """
 from companion.gradient_flow.analysis import (PowerLawFit, bootstrap_mean_band,
