@@ -13,18 +13,18 @@ head_dim 32, k = 128 clusters), forward + backward of
 The two dense paths cost the same at every density (the mask only changes values), so
 they are measured once per n (dense_masked at 5%) and their numbers are repeated.
 
-Method.  For each n, one subprocess times every method and a second one measures
-memory.  Times: one warm-up, then the median of repeated forward + backward runs with
-the normal allocator.  Memory: torch's CPU allocator keeps no statistics and
-``tracemalloc`` does not see torch allocations, so the memory process starts with
-``MALLOC_MMAP_THRESHOLD_=65536`` (every buffer of 64 KiB or more is its own mmap,
-unmapped when freed, so the resident set follows live tensors; the fixed threshold
-would slow the timings, hence the separate process).  After one warm-up it resets the
+Method. For each n, one subprocess times every method and a second one measures memory.
+Times: one warm-up, then the median of repeated forward + backward runs with the normal
+allocator (:func:`companion.timing.call_times`). Memory: torch's CPU allocator keeps no
+statistics and ``tracemalloc`` does not see torch allocations, so the memory process
+starts with ``MALLOC_MMAP_THRESHOLD_=65536`` (every buffer of 64 KiB or more is its own
+mmap, unmapped when freed, so the resident set follows live tensors; the fixed threshold
+would slow the timings, hence the separate process). After one warm-up it resets the
 kernel's resident-set high-water mark (``echo 5 > /proc/self/clear_refs``), runs one
 forward + backward, and reports ``VmHWM - RSS before``: the memory the method itself
-needed, gradients included.  Workers run with one torch thread (``BENCH_THREADS`` to
-change): the machine is shared, and spin-waiting OpenMP threads on an oversubscribed
-CPU were up to ten times slower in trials.
+needed, gradients included. Workers run with one torch thread (``BENCH_THREADS`` to
+change): the machine is shared, and spin-waiting OpenMP threads on an oversubscribed CPU
+were up to ten times slower in trials.
 
 A second sweep times the sampler alone at a fixed expected edge count while n grows,
 to show that its cost follows edges + n k, not n^2.
@@ -45,6 +45,8 @@ import subprocess
 import sys
 import time
 from results_io import write_results
+
+from companion.timing import call_seconds, call_times
 
 HEADS, HEAD_DIM, CLUSTERS = 2, 32, 128
 # one thread per worker: this machine is shared, and OpenMP threads that spin-wait on an
@@ -139,18 +141,19 @@ def workloads(n: int, density: float, seed: int = 0, device=None):
         torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
         clear_grads()
 
-    def edge_split():
-        """One edge run timed in two parts: (sampling seconds, attention seconds)."""
-        t0 = time.perf_counter()
-        edges = fastrg_sample(qm, s, km, gen)
-        t1 = time.perf_counter()
-        edge_attention(q, k, v, edges).sum().backward()
-        t2 = time.perf_counter()
+    last_edges: list = []
+
+    def sample():
+        """The sampler alone (its edges kept for :func:`attend`)."""
+        last_edges[:] = [fastrg_sample(qm, s, km, gen)]
+
+    def attend():
+        """Edge attention alone, forward + backward, on the last sampled edges."""
+        edge_attention(q, k, v, last_edges[0]).sum().backward()
         clear_grads()
-        return t1 - t0, t2 - t1
 
     runs = {"edge": run_edge, "dense_masked": run_dense_masked, "sdpa": run_sdpa}
-    info["edge_split"] = edge_split
+    info["sample"], info["attend"] = sample, attend
     return runs, info
 
 
@@ -160,9 +163,8 @@ def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: i
     runs, info = workloads(n, density, seed)
     run = runs[method]
     out = {"n": n, "density": density, "method": method}
-    t0 = time.perf_counter()
-    run()  # warm-up (first-call costs), also sizes the repeats
-    first = time.perf_counter() - t0
+    # warm-up (first-call costs), also sizes the repeats
+    first = call_seconds(run, repeats=1, warmup=0)
     if mode == "memory":
         before = _rss_bytes()
         exact = _reset_peak()
@@ -170,22 +172,15 @@ def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: i
         out["peak_mb"] = (_peak_bytes() - before if exact else _peak_bytes()) / 2**20
         out["peak_method"] = "VmHWM after clear_refs" if exact else "ru_maxrss (absolute)"
         return out
-    times = []
-    while len(times) < (1 if first > 5 else 2) or (sum(times) < budget_s and len(times) < 7):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
+    times = call_times(run, repeats=1 if first > 5 else 2, warmup=0, budget_s=budget_s,
+                       max_repeats=7)
     out.update(time_s=statistics.median(times), times_s=times, first_s=first)
     if method == "edge":
-        # split: sampler alone and attention alone
-        samp, attn = [], []
-        for _ in range(1 if first > 2 else 3):
-            sample_s, attention_s = info["edge_split"]()
-            samp.append(sample_s)
-            attn.append(attention_s)
+        # split: sampler alone, then attention alone on the sampled edges
+        repeats = 1 if first > 2 else 3
         out.update(
-            sample_s=statistics.median(samp),
-            attention_s=statistics.median(attn),
+            sample_s=call_seconds(info["sample"], repeats=repeats, warmup=0),
+            attention_s=call_seconds(info["attend"], repeats=repeats, warmup=0),
             edges_per_head=info["edges_per_head"],
         )
     return out
@@ -210,18 +205,18 @@ def sampler_worker(n: int, edges: int, seed: int) -> dict:
 
     qm, s, km = _memberships(n, edges / (n * n), seed)
     gen = torch.Generator().manual_seed(seed)
-    fastrg_sample(qm, s, km, gen)
-    times, counts = [], []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        e = fastrg_sample(qm, s, km, gen)
-        times.append(time.perf_counter() - t0)
-        counts.append(e[0].numel() / HEADS)
+    counts = []
+
+    def sample():
+        counts.append(fastrg_sample(qm, s, km, gen)[0].numel() / HEADS)
+
+    seconds = call_seconds(sample, repeats=3, warmup=1)
+    counts = counts[1:]  # the warm-up's count
     return {
         "n": n,
         "expected_edges_per_head": edges,
         "edges_per_head": statistics.mean(counts),
-        "sample_s": statistics.median(times),
+        "sample_s": seconds,
         "dense_entries_per_head": n * n,
     }
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from companion.timing import call_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,14 +51,7 @@ def _measure(fn, device, repeats=5):
     sync()
     if cuda:
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), peak
+    return call_seconds(fn, repeats=repeats, warmup=0, cuda_sync=cuda), peak
 
 
 def timing(device, cases=((4096, 0.05), (8192, 0.01)), repeats=5) -> list[dict]:

@@ -43,9 +43,12 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
+
+from companion.timing import call_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPIC = "gpu_paper_sbm"
@@ -165,16 +168,13 @@ def run_one(attention: str, lam: float, splits, setting: dict, share_s: float, *
                                lam=lam, eval_every=steps, eval_batch_size=setting["batch"],
                                seed=seed)
 
+        cuda = device.type == "cuda"
         train(probe, *splits, probe_config(1))
-        _sync(device)
-        t0 = time.perf_counter()
-        train(probe, *splits, probe_config(k))
-        _sync(device)
-        calibration_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        evaluate(probe, splits[1], batch_size=setting["batch"], seed=seed)
-        _sync(device)
-        eval_s = time.perf_counter() - t0
+        calibration_s = call_seconds(partial(train, probe, *splits, probe_config(k)),
+                                     repeats=1, warmup=0, cuda_sync=cuda)
+        eval_s = call_seconds(
+            partial(evaluate, probe, splits[1], batch_size=setting["batch"], seed=seed),
+            repeats=1, warmup=0, cuda_sync=cuda)
         step_s = max((calibration_s - 2 * eval_s) / k, 1e-6)  # train() evaluated dev + test
         del probe
         steps = plan_steps(share_s, time.perf_counter() - started, step_s, eval_s,
