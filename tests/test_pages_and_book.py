@@ -411,3 +411,24 @@ def test_chapter_maths_parses(source):
     from companion.book.htmlcheck import raw_latex_in_html
 
     assert raw_latex_in_html(_render_myst(source.read_text())) == []
+
+
+def test_generated_pages_unchanged_are_not_rewritten(demo_project):
+    """A page whose text is the same keeps its file (and time): Sphinx reads it again
+    only when it changed."""
+    p = demo_project
+    pages.write_generated_pages(p)
+    index = p.generated / "figure_index.md"
+    stamp = index.stat().st_mtime_ns
+    os.utime(index, ns=(stamp - 10**9, stamp - 10**9))
+    pages.write_generated_pages(p)
+    assert index.stat().st_mtime_ns == stamp - 10**9, "unchanged: not rewritten"
+    index.write_text("stale")
+    pages.write_generated_pages(p)
+    assert index.read_text() == pages.figure_index(p)
+
+
+def test_chapter_title_is_the_first_heading_outside_code(tmp_path):
+    assert pages.markdown_title("---\ntitle: x\n---\n# The title\n# Second\n") == "The title"
+    assert pages.markdown_title("````{code-cell}\n```\n# not a title\n````\n# T\n") == "T"
+    assert pages.markdown_title("no heading\n## Sub\n") is None

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from companion.book import runner
+from companion.book import myst, runner
 from companion.book.runner import ChapterError, run_chapter
 
 
@@ -455,11 +455,14 @@ def test_cuda_without_cuda_is_refused_before_anything_runs(interrupt_project):
         pytest.skip("this machine has CUDA")
     p = interrupt_project
     before = _published(p)
-    for device in ("cuda", "cuda:1"):
-        proc = _cli(p, "run", "demo", "--scale", "smoke", "--force", "--device", device)
-        assert proc.returncode == 2, proc.stderr
-        assert f"device '{device}': CUDA is not available on this machine" in proc.stderr
-        assert "[start]" not in proc.stdout
+    proc = _cli(p, "run", "demo", "--scale", "smoke", "--force", "--device", "cuda")
+    assert proc.returncode == 2, proc.stderr
+    assert "device 'cuda': CUDA is not available on this machine" in proc.stderr
+    assert "[start]" not in proc.stdout
+    lines: list[str] = []
+    with pytest.raises(ChapterError, match="device 'cuda:1': CUDA is not available on this"):
+        run_chapter(p, "demo", scale="smoke", force=True, device="cuda:1", echo=lines.append)
+    assert not [line for line in lines if line.startswith("[start]")]
     proc = _cli(p, "build", "--scale", "smoke", "--device", "cuda")
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr
     assert _published(p) == before, "not marked stale; run record unchanged"
@@ -619,13 +622,13 @@ def test_scale_banner_says_the_scale_and_how_to_reach_paper_scale():
 
 
 def test_run_box_links_the_commit_and_has_a_real_header():
-    box = runner.run_box(_record())
+    box = myst.run_box(_record())
     assert "| | |" not in box and "| Setting | Value |" in box
     commit = "0123456789abcdef0123456789abcdef01234567"
     assert f"[`0123456789ab`](https://github.com/o/r/commit/{commit})" in box
     assert "--out DIR -p NAME VALUE" in box
-    assert "[`" not in runner.run_box(_record(git_commit="unknown")), "no link to nowhere"
-    assert "(with uncommitted changes)" in runner.run_box(_record(git_dirty=True))
+    assert "[`" not in myst.run_box(_record(git_commit="unknown")), "no link to nowhere"
+    assert "(with uncommitted changes)" in myst.run_box(_record(git_dirty=True))
 
 
 def test_page_has_install_cell_banner_and_box_in_order(ran_demo_project):

@@ -3,7 +3,7 @@
 - Copy the saved figures' and tables' files (PNG, SVG, PDF, CSV, Markdown, the JSON
   provenance sidecar and the ``.bib`` entry) from ``book/_generated/assets/`` into the
   built site at the same relative place, so that the Cite line under every figure and
-  table (``companion.book.provenance.cite_line``, plain links such as
+  table (``companion.book.citations.cite_line``, plain links such as
   ``../assets/hasse/figures/hasse-causal-mask.pdf``) and the figure index resolve in
   the built HTML, at stable addresses.
 - Add the book's stylesheet ``book/_static/book.css`` (cell outputs wrap, tables scroll

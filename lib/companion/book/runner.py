@@ -10,7 +10,7 @@ A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running
 2. skips the run when a cached good run has the same key (chapter source, ``lib/``
    sources, parameters, processes and installed package versions), unless forced;
 3. executes it with papermill into a private staging folder, the chapter writing its
-   figures, tables, claims and kernel log there (see :mod:`companion.book.provenance`). It
+   figures, tables, claims and kernel log there (see :mod:`companion.book.records`). It
    prints the log's path when it starts and, every :data:`PROGRESS_SECONDS`
    (``$COMPANION_PROGRESS_SECONDS``), the cell it is executing ("cell k of N");
 4. on success swaps the staging outputs into ``book/_generated/`` and finishes the
@@ -27,7 +27,10 @@ A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running
 figures, tables, claims, log, ``run.json`` and a one-page HTML book
 (``DIR/html/<name>.html``), leaving ``book/_generated/`` untouched. ``build`` runs each
 chapter at its scale (:func:`parse_scale_spec`; ``publish`` is :data:`PUBLISH_SCALES`)
-and relays each run's lines as they come. ``--nproc N`` reaches the kernel as
+and relays each run's lines as they come; a chapter whose run is current costs no
+process (:func:`cached_run`), and jupyter-book is not started when nothing it reads or
+wrote has changed since its last good build (:func:`build_html`): a no-change rebuild
+takes seconds. ``--nproc N`` reaches the kernel as
 ``$COMPANION_NPROC`` (:mod:`companion.parallel` reads it).
 
 Faults and limits:
@@ -1290,60 +1293,55 @@ def _code_cells(nb) -> int:
     return sum(c.cell_type == "code" for c in nb.cells) + 1
 
 
-def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: dict,
-                         params: dict, key: str, previous: dict | None, threads: int | None,
-                         timeout: float, echo: Callable[[str], None],
-                         nproc: int = 1) -> RunResult:
-    commit, dirty = git_state(project.root)
-    gen = project.generated
+@dataclass
+class _Staging:
+    """The private folder one run of chapter ``name`` executes in, and its files."""
+
+    folder: Path
+    name: str
+
+    @property
+    def assets(self) -> Path:
+        return self.folder / "assets"
+
+    @property
+    def input_nb(self) -> Path:
+        return self.folder / f"{self.name}.input.ipynb"
+
+    @property
+    def output_nb(self) -> Path:
+        return self.folder / f"{self.name}.ipynb"
+
+    @property
+    def log(self) -> Path:
+        return self.folder / f"{self.name}.log"
+
+
+def _new_staging(project: Project, name: str) -> _Staging:
+    """A fresh staging folder name for ``name`` (dead runs' folders removed first)."""
     remove_dead_staging(project, name)
-    staging = gen / ".staging" / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging_assets = staging / "assets"
-    input_nb = staging / f"{name}.input.ipynb"
-    output_nb = staging / f"{name}.ipynb"
-    staged_log = staging / f"{name}.log"
-    env_updates = _kernel_env(name, staging_assets, f"../assets/{name}", commit, dirty,
-                              threads, nproc)
-    started = time.time()
-    record = _new_record(project, name, params, defaults, nproc, commit, dirty)
-    record["cache_key"] = key
-    try:
-        staging_assets.mkdir(parents=True)
-        _write_notebook(nb, input_nb)
-        echo(f"[start] {name} (scale={params['scale']}, device={params['device']}"
-             + (f", {nproc} processes" if nproc != 1 else "")
-             + f"): log {staged_log} (then {project.log(name)})")
-        progress = _Progress(name, _code_cells(nb))
-        with _kernel_environment(env_updates):
-            outcome = _execute_notebook(input_nb, output_nb, staged_log, params,
-                                        project.root, timeout, progress, echo, pidx)
-        error = _execution_error(outcome, pidx, timeout)
-        if error is None:
-            executed = read_notebook_ipynb(output_nb)
-            record["device"] = _detected_device(params["device"])
-        record.update(seconds=time.time() - started, finished=now_iso(),
-                      peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
-        raise_if_interrupted()  # the last moment an interrupt leaves everything as it was
-        with signals_deferred():
-            if error is None:
-                record["status"] = "ok"
-                finish_notebook(executed, record)
-                _publish(project, name, executed, staging_assets, staged_log)
-                atomic_write_text(project.run_record(name), dumps(record))
-            else:
-                _publish_failure(project, name, nb, record, previous, error, staged_log,
-                                 output_nb)
-    except Exception as exc:  # noqa: BLE001 - our own steps failed: mark stale too
-        error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
-        record.update(seconds=time.time() - started, finished=now_iso())
-        raise_if_interrupted()
-        with signals_deferred():
-            _publish_failure(project, name, nb, record, previous, error, staged_log, output_nb)
-    finally:
-        with signals_deferred():
-            shutil.rmtree(staging, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                (gen / ".staging").rmdir()
+    folder = project.generated / ".staging" / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return _Staging(folder, name)
+
+
+def _start_and_execute(project: Project, name: str, nb, pidx: int, params: dict,
+                       staging: _Staging, env_updates: dict[str, str], timeout: float,
+                       nproc: int, echo: Callable[[str], None]) -> _Execution:
+    """Write the input notebook into ``staging``, say so, and execute it with papermill."""
+    staging.assets.mkdir(parents=True)
+    _write_notebook(nb, staging.input_nb)
+    echo(f"[start] {name} (scale={params['scale']}, device={params['device']}"
+         + (f", {nproc} processes" if nproc != 1 else "")
+         + f"): log {staging.log} (then {project.log(name)})")
+    progress = _Progress(name, _code_cells(nb))
+    with _kernel_environment(env_updates):
+        return _execute_notebook(staging.input_nb, staging.output_nb, staging.log, params,
+                                 project.root, timeout, progress, echo, pidx)
+
+
+def _run_result(project: Project, name: str, record: dict,
+                echo: Callable[[str], None]) -> RunResult:
+    """The RunResult of a finished run (its record published), echoed."""
     if record["status"] == "ok":
         peak = record.get("peak_memory_gib")
         echo(f"[ok {record['seconds']:.1f}s" + (f", peak {peak:.2f} GiB" if peak else "")
@@ -1352,6 +1350,52 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
     echo(f"[FAILED {record['seconds']:.1f}s] {name}: {record['error']} "
          f"(log: {project.log(name)})")
     return RunResult(name, "failed", record["seconds"], error=record["error"], record=record)
+
+
+def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: dict,
+                         params: dict, key: str, previous: dict | None, threads: int | None,
+                         timeout: float, echo: Callable[[str], None],
+                         nproc: int = 1) -> RunResult:
+    """Execute the chapter in a staging folder; publish its outputs, or mark it stale."""
+    commit, dirty = git_state(project.root)
+    staging = _new_staging(project, name)
+    env_updates = _kernel_env(name, staging.assets, f"../assets/{name}", commit, dirty,
+                              threads, nproc)
+    started = time.time()
+    record = _new_record(project, name, params, defaults, nproc, commit, dirty)
+    record["cache_key"] = key
+    try:
+        outcome = _start_and_execute(project, name, nb, pidx, params, staging, env_updates,
+                                     timeout, nproc, echo)
+        error = _execution_error(outcome, pidx, timeout)
+        if error is None:
+            executed = read_notebook_ipynb(staging.output_nb)
+            record["device"] = _detected_device(params["device"])
+        record.update(seconds=time.time() - started, finished=now_iso(),
+                      peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
+        raise_if_interrupted()  # the last moment an interrupt leaves everything as it was
+        with signals_deferred():
+            if error is None:
+                record["status"] = "ok"
+                finish_notebook(executed, record)
+                _publish(project, name, executed, staging.assets, staging.log)
+                atomic_write_text(project.run_record(name), dumps(record))
+            else:
+                _publish_failure(project, name, nb, record, previous, error, staging.log,
+                                 staging.output_nb)
+    except Exception as exc:  # noqa: BLE001 - our own steps failed: mark stale too
+        error = str(exc) if isinstance(exc, ChapterError) else f"{type(exc).__name__}: {exc}"
+        record.update(seconds=time.time() - started, finished=now_iso())
+        raise_if_interrupted()
+        with signals_deferred():
+            _publish_failure(project, name, nb, record, previous, error, staging.log,
+                             staging.output_nb)
+    finally:
+        with signals_deferred():
+            shutil.rmtree(staging.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                (project.generated / ".staging").rmdir()
+    return _run_result(project, name, record, echo)
 
 
 def _publish_failure(project: Project, name: str, nb, record: dict, previous: dict | None,
