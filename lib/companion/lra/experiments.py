@@ -134,12 +134,26 @@ def _worker(job: TrainJob):
 
 def default_workers(n_jobs: int) -> int:
     """Worker processes for ``n_jobs`` CPU jobs: ``COMPANION_LRA_WORKERS`` if set, else
-    the torch threads the runner gave this chapter (``COMPANION_TORCH_THREADS``) or the
-    CPU count, at most ``n_jobs``."""
+    one per CPU this process may run on, at most ``n_jobs``.
+
+    Not the runner's torch-thread share (``COMPANION_TORCH_THREADS``): each worker runs
+    one torch thread, and a book build that runs two chapters at once on two cores gives
+    this chapter one thread, which ran its training one job after another even once the
+    other chapter had finished. With one worker per CPU the operating system shares the
+    cores while another chapter runs, and this chapter takes them all when it is alone.
+    The results do not depend on the number of workers (:func:`run_jobs`).
+
+    >>> 1 <= default_workers(3) <= 3
+    True
+    """
+    n_jobs = check_int("n_jobs", n_jobs, minimum=0)
     env = os.environ.get("COMPANION_LRA_WORKERS")
     if env:
         return max(1, min(int(env), n_jobs))
-    avail = int(os.environ.get("COMPANION_TORCH_THREADS") or os.cpu_count() or 1)
+    try:
+        avail = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        avail = os.cpu_count() or 1
     return max(1, min(avail, n_jobs))
 
 
