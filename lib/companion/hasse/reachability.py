@@ -307,7 +307,15 @@ def _closure_packed(packed: np.ndarray) -> _Closure:
         keep = src != dst
         pairs = np.unique(src[keep] * n_classes + dst[keep])
         src, dst = pairs // n_classes, pairs % n_classes
-        topo = _topological_class_order(n_classes, src, dst)
+        # scipy numbers the components as its depth-first search completes them, which
+        # is a topological order (or its reverse) of the condensation in practice; that
+        # is checked on every edge, and Kahn's algorithm runs only when it fails.
+        if np.all(src < dst):
+            topo = np.arange(n_classes)
+        elif np.all(src > dst):
+            topo = np.arange(n_classes)[::-1]
+        else:
+            topo = _topological_class_order(n_classes, src, dst)
         rank = np.empty(n_classes, dtype=np.int64)
         rank[topo] = np.arange(n_classes)
         labels = rank[raw]
@@ -494,14 +502,18 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
         front_node = front % stride32
         block_base = front - front_node
         if out_adj.table is not None:
-            for slot in out_adj.table:
-                marks[slot[front_node] + block_base] = True
+            receivers = (out_adj.table[:, front_node] + block_base).ravel()
         else:
             receivers, counts = _neighbours(out_adj, front_node)
-            marks[receivers + np.repeat(block_base, counts)] = True
-        marks[dummies] = False
-        cand = np.flatnonzero(marks).astype(np.int32)
-        marks[cand] = False
+            receivers += np.repeat(block_base, counts)
+        if receivers.size * 64 < marks.size:  # few: sorting them beats scanning the marks
+            cand = np.unique(receivers)
+            cand = cand[cand % stride32 != n]
+        else:
+            marks[receivers] = True
+            marks[dummies] = False
+            cand = np.flatnonzero(marks).astype(np.int32)
+            marks[cand] = False
         new = _pull(frontier_words, in_adj, cand, stride32, gather_words)
         new &= ~visited[cand]
         frontier_words[front] = 0
@@ -580,11 +592,12 @@ def _build_hasse(labels: np.ndarray, covers: np.ndarray, n_classes: int) -> nx.D
     graph = nx.DiGraph()
     order = np.argsort(labels, kind="stable")
     bounds = np.searchsorted(labels[order], np.arange(n_classes + 1))
+    members = order.tolist()
+    bounds = bounds.tolist()
     graph.add_nodes_from(
-        (c, {"members": tuple(int(p) for p in order[bounds[c] : bounds[c + 1]])})
-        for c in range(n_classes)
+        (c, {"members": tuple(members[bounds[c] : bounds[c + 1]])}) for c in range(n_classes)
     )
-    graph.add_edges_from((int(a), int(b)) for a, b in covers)
+    graph.add_edges_from(map(tuple, np.asarray(covers).reshape(-1, 2).tolist()))
     graph.graph["n_positions"] = int(labels.size)
     return graph
 
@@ -646,6 +659,10 @@ def hasse_diagram(mask: torch.Tensor, *, method: str = "auto") -> nx.DiGraph:
     edges are the covering relations, from the attended class to the attending class.
     ``graph.graph["n_positions"]`` holds ``n``.
     """
+    validate_mask(mask)
+    if _resolve_method(mask, method) == "bitset":  # the closure alone: R is not needed
+        closure = _closure_bitset(mask)
+        return _build_hasse(closure.labels, closure.covers, len(closure.reach))
     return order_structure(mask, method=method, compute_depth=False).hasse
 
 

@@ -288,20 +288,23 @@ def minimal_merge(tasks: Sequence[Task], *, sparse: bool = False, name: str = ""
             class_of_position.append(index[s])
             inputs.append(inp)
             targets.append(tgt)
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(len(order)))
-    dag.add_edges_from((index[a], index[b]) for a, b in merged_edges)
+    # the class DAG as a mask (class b attends class a for every merged edge a -> b);
+    # its covers (sparse) or its closure (dense) by the bitset closure of reachability
+    n_classes = len(order)
+    edges = torch.as_tensor([(index[a], index[b]) for a, b in merged_edges],
+                            dtype=torch.long).reshape(-1, 2)
+    class_dag = torch.zeros(n_classes, n_classes, dtype=torch.bool)
+    class_dag[edges[:, 1], edges[:, 0]] = True
     cls = torch.as_tensor(class_of_position)
     if sparse:
-        cover = torch.zeros(len(order), len(order), dtype=torch.bool)
-        for a, b in nx.transitive_reduction(dag).edges:
-            cover[b, a] = True
-        class_mask = cover | torch.eye(len(order), dtype=torch.bool)
+        closure = RR._closure_bitset(class_dag)  # every class is its own (acyclic)
+        node_of = np.empty(n_classes, dtype=np.int64)
+        node_of[closure.labels] = np.arange(n_classes)
+        covers = torch.as_tensor(node_of[closure.covers.reshape(-1, 2)])
+        class_mask = torch.eye(n_classes, dtype=torch.bool)
+        class_mask[covers[:, 1], covers[:, 0]] = True
     else:
-        closure = nx.transitive_closure_dag(dag)
-        class_mask = torch.eye(len(order), dtype=torch.bool)
-        for a, b in closure.edges:
-            class_mask[b, a] = True
+        class_mask = RR.order_structure(class_dag, method="bitset", compute_depth=False).R
     mask = class_mask[cls][:, cls]
     return Task(tuple(inputs), tuple(targets), mask, name)
 
