@@ -321,3 +321,20 @@ def test_non_bool_masks_raise_a_type_error_naming_the_parameter(dtype, function)
     with pytest.raises(TypeError, match=rf"^{name}: expected a square 2-D bool tensor, "
                                         rf"got dtype {dtype}"):
         PUBLIC_MASK_FUNCTIONS[function](mask)
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 40])
+def test_topological_class_order_fallback_is_topological(n):
+    # scipy's component numbering is topological in practice, so the closure rarely calls
+    # Kahn's algorithm; it is the fallback, checked here on its own: random DAG edges in
+    # a shuffled numbering come out source before target, every class once.
+    g = torch.Generator().manual_seed(n)
+    perm = torch.randperm(n, generator=g).numpy()
+    lo, hi = np.triu_indices(n, 1)
+    keep = torch.rand(lo.size, generator=g).numpy() < 0.3
+    src, dst = perm[lo[keep]], perm[hi[keep]]
+    order = RR._topological_class_order(n, src, dst)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    assert sorted(order.tolist()) == list(range(n))
+    assert np.all(rank[src] < rank[dst])
