@@ -26,6 +26,8 @@ __all__ = ["num", "pct", "interval", "compare", "claim_phrase", "verdict_word", 
 def _finite(name: str, x: Any) -> float:
     if hasattr(x, "item"):
         x = x.item()
+    if isinstance(x, float) and math.isnan(x):  # a number: callers say what NaN means
+        return x
     return check_number(name, x, finite=False)
 
 
