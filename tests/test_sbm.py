@@ -672,3 +672,48 @@ def test_sbm_attention_self_loops_skip_padding():
     assert loops.numel() == H * int(valid.sum())  # one loop per valid query and head
     assert float(out.detach()[0, :, 9:].abs().max()) == 0
     assert bool((density >= 1 / valid.sum(1, keepdim=True)).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n, m", [(7, 5), (1, 3)])
+def test_fastrg_given_q_times_s_draws_the_same_graph(device, dtype, n, m):
+    # the layer hands the sampler its own Qhat S: the same rates, so the same graph
+    qm, s, km = (t.to(device, dtype) for t in _random_sbm(n, m, 3, heads=2, seed=4))
+    drawn = []
+    for q_times_s in (None, qm @ s):
+        gen = torch.Generator(device=device).manual_seed(11)
+        drawn.append(fastrg_sample(qm, s, km, gen, q_times_s=q_times_s))
+    for plain, given in zip(*drawn):
+        assert torch.equal(plain, given)
+    if dtype == F64:  # the float64 rates are computed out of place: the input is kept
+        qs = qm @ s
+        kept = qs.clone()
+        fastrg_sample(qm, s, km, torch.Generator(device=device).manual_seed(0), q_times_s=qs)
+        assert torch.equal(qs, kept)
+
+
+def test_fastrg_q_times_s_of_the_wrong_shape_names_the_parameter():
+    qm, s, km = _random_sbm(4, 4, 2, heads=2)
+    with pytest.raises(ValueError, match="q_times_s"):
+        fastrg_sample(qm, s, km, q_times_s=torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_attention_unit_weight_is_bit_identical_to_multiplying_by_ones(dtype):
+    from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
+
+    qm, s, km = _random_sbm(9, 9, 3, heads=2, seed=2)
+    edges = fastrg_sample(qm, s, km, torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(18, 4, generator=g, dtype=dtype) for _ in range(3))
+    results = []
+    for unit in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        weight = torch.ones(edges[0].numel(), dtype=dtype, requires_grad=True)
+        graph = EdgeGraph(*edges, 2, 9, 9)
+        out = attention_on_graph(*leaves, graph, weight, 0.5, unit_weight=unit)
+        (out * torch.arange(out.numel(), dtype=dtype).reshape(out.shape)).sum().backward()
+        results.append([out, *(t.grad for t in leaves), weight.grad])
+    for plain, unit in zip(*results):
+        assert torch.equal(plain, unit)

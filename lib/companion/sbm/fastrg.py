@@ -124,6 +124,7 @@ def fastrg_sample(
     duplicates: str = "keep",
     self_loops: bool = False,
     tuning: FastRGTuning = DEFAULT_TUNING,
+    q_times_s: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample the bipartite graph ``A ~ Qhat S Khat^T`` with fastRG, as an edge list.
 
@@ -172,6 +173,11 @@ def fastrg_sample(
     tuning : :class:`FastRGTuning`, optional
         Block sizes, the key-draw method and the CPU uniform source (speed and memory
         only: every tuning samples the same distribution).
+    q_times_s : optional ``Qhat S`` (the shape of ``q_membership``), when the caller has
+        it already (the attention layer needs it for its gradient): the sampler then
+        skips that GEMM.  Used only in the precision the sampler works in (float32 or
+        wider, as ``q_membership``); it must equal ``q_membership @ s``, which is not
+        checked.
 
     Returns
     -------
@@ -204,6 +210,14 @@ def fastrg_sample(
     """
     _check_options(duplicates, self_loops, generator, tuning)
     qm, sg, km, _ = _groups(q_membership, s, k_membership)
+    if q_times_s is not None:
+        if not isinstance(q_times_s, torch.Tensor) or q_times_s.shape != q_membership.shape:
+            raise ValueError(
+                f"q_times_s: expected a tensor of q_membership's shape "
+                f"{tuple(q_membership.shape)}, got "
+                f"{tuple(q_times_s.shape) if isinstance(q_times_s, torch.Tensor) else q_times_s}"
+            )
+        q_times_s = q_times_s.detach().reshape(qm.shape)
     for name, t in (("q_membership", qm), ("s", sg), ("k_membership", km)):
         # one pass: min and max are NaN if any entry is, and the comparisons then fail
         lo, hi = (float(x) for x in torch.aminmax(t.detach()))
@@ -221,7 +235,7 @@ def fastrg_sample(
         draws = _RandomSource(qm.device, generator, tuning.cpu_uniforms)
         # step 1: one Poisson count per cell (group, query, key cluster b); the cells in
         # this order sort the edges by (group, query, b)
-        counts = draws.poisson(_cell_rates(qm, sg, km).reshape(-1))
+        counts = draws.poisson(_cell_rates(qm, sg, km, q_times_s).reshape(-1))
         group, query = _cell_owners(counts, num_groups, n)
         # step 2: the key of every edge, from its cell's key cluster
         key = _draw_keys(km, counts, n, draws, tuning)
@@ -248,14 +262,18 @@ def _check_options(duplicates, self_loops, generator, tuning) -> None:
         )
 
 
-def _cell_rates(qm: torch.Tensor, sg: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
+def _cell_rates(qm: torch.Tensor, sg: torch.Tensor, km: torch.Tensor,
+                q_times_s: torch.Tensor | None = None) -> torch.Tensor:
     """``[G, n, k]`` float64: the expected number of edges with query ``i`` whose key
     comes from cluster ``b``, ``(Qhat S)_ib colsum_b(Khat)`` (one GEMM in the inputs'
-    precision, then float64 for the Poisson rates; no float64 copy of the memberships)."""
+    precision, skipped when ``q_times_s`` holds it in that precision, then float64 for
+    the Poisson rates; no float64 copy of the memberships)."""
     work = torch.promote_types(qm.dtype, torch.float32)
     k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
-    rates = torch.bmm(qm.to(work), sg.to(work)).to(torch.float64)  # a new tensor
-    rates.mul_(k_mass[:, None, :])
+    if q_times_s is None or q_times_s.dtype != work:
+        q_times_s = torch.bmm(qm.to(work), sg.to(work))
+    # out of place: for float64 input ``.to(float64)`` is the caller's tensor itself
+    rates = torch.mul(q_times_s.to(torch.float64), k_mass[:, None, :])
     if not bool(torch.isfinite(rates.sum()).all()):
         raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
     return rates

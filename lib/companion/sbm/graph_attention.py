@@ -167,8 +167,10 @@ class EdgeGraph:
 
 class _EdgeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q2, k2, v2, weight, graph, scale):
+    def forward(ctx, q2, k2, v2, weight, graph, scale, unit_weight=False):
         acc = torch.promote_types(q2.dtype, torch.float32)
+        # all-ones weights (the straight-through mask): u * 1 == u, so skip the products
+        scale_by = None if unit_weight else weight
         qa, ka, va = q2.to(acc), k2.to(acc), v2.to(acc)
         if graph.num_edges == 0:
             out = torch.zeros(q2.shape[0], v2.shape[1], dtype=acc, device=q2.device)
@@ -178,16 +180,16 @@ class _EdgeAttention(torch.autograd.Function):
             row_max = graph.row_reduce(scores, "max")
             u = scores.sub_(graph.spread(row_max)).exp_()  # exp(s - max) <= 1
             del row_max
-            weighted = u if weight is None else u * weight.to(acc)
+            weighted = u if scale_by is None else u * scale_by.to(acc)
             row_sum = graph.row_reduce(weighted, "sum")
             del weighted
             inv = torch.where(row_sum > 0, 1.0 / row_sum, torch.zeros_like(row_sum))
             u.mul_(graph.spread(inv))  # u_e = exp(s_e - max) / Z, a_e = w_e u_e
-            a = u if weight is None else u * weight.to(acc)
+            a = u if scale_by is None else u * scale_by.to(acc)
             out = graph.matrix(a) @ va
             del a
         ctx.save_for_backward(q2, k2, v2, weight, u, out)
-        ctx.graph, ctx.scale = graph, scale
+        ctx.graph, ctx.scale, ctx.unit_weight = graph, scale, unit_weight
         return out.to(q2.dtype)
 
     @staticmethod
@@ -205,10 +207,11 @@ class _EdgeAttention(torch.autograd.Function):
                 torch.zeros_like(weight) if need_w else None,
                 None,
                 None,
+                None,
             )
         qa, ka, va = q2.to(acc), k2.to(acc), v2.to(acc)
         go = grad_out.to(acc).contiguous()
-        w = None if weight is None else weight.to(acc)
+        w = None if weight is None or ctx.unit_weight else weight.to(acc)
         grad_q = grad_k = grad_v = grad_w = None
         if need_v:
             a = u if w is None else u * w
@@ -229,17 +232,20 @@ class _EdgeAttention(torch.autograd.Function):
                 grad_q = (graph.matrix(gs) @ ka).to(q2.dtype)
             if need_k:
                 grad_k = (graph.matrix_t(gs) @ qa).to(k2.dtype)
-        return grad_q, grad_k, grad_v, grad_w, None, None
+        return grad_q, grad_k, grad_v, grad_w, None, None, None
 
 
-def attention_on_graph(q2, k2, v2, graph, edge_weight, scale):
+def attention_on_graph(q2, k2, v2, graph, edge_weight, scale, *, unit_weight=False):
     """Edge attention on flat ``[G n, d]``, ``[G m, d]``, ``[G m, d_v]`` rows over an
     :class:`EdgeGraph` already built, with ``edge_weight`` in the graph's row-major order.
+    ``unit_weight=True`` says every weight is one (the straight-through mask of
+    :class:`companion.sbm.SBMAttention`): the products with it are skipped (they would
+    not change a bit) and its gradient is still returned.
 
     The building block :func:`edge_attention` wraps and :class:`companion.sbm.SBMAttention`
     calls with the graph it sampled (no arguments are checked here: the callers do).
     """
-    return _EdgeAttention.apply(q2, k2, v2, edge_weight, graph, scale)
+    return _EdgeAttention.apply(q2, k2, v2, edge_weight, graph, scale, unit_weight)
 
 
 def _check_edges(edges, num_groups, n, m, device):

@@ -267,6 +267,7 @@ class SBMAttention(nn.Module):
             q_membership = q_membership * query_valid[:, None, :, None].to(q_membership.dtype)
         if key_valid is not None:
             k_membership = k_membership * key_valid[:, None, :, None].to(k_membership.dtype)
+        qs = q_membership @ s  # [B, H, n, k]: the STE's factor, and the sampler's GEMM
         edges = fastrg_sample(
             q_membership.detach(),
             s.detach(),
@@ -274,6 +275,7 @@ class SBMAttention(nn.Module):
             generator,
             duplicates=self.duplicates,
             self_loops=self.self_loops,
+            q_times_s=qs.detach(),
         )
         batch, heads, n = q.shape[:3]
         m = k.shape[2]
@@ -291,7 +293,6 @@ class SBMAttention(nn.Module):
         graph = EdgeGraph(*edges, num_groups, n, m)
         if graph.order is not None:  # the mask below is indexed in the sampler's order
             raise RuntimeError("fastrg_sample returned edges not sorted by (group, query)")
-        qs = q_membership @ s  # [B, H, n, k]
         mask = _StraightThroughMask.apply(
             qs.reshape(num_groups * n, -1), k_membership.reshape(num_groups * m, -1), graph
         )
@@ -304,6 +305,7 @@ class SBMAttention(nn.Module):
             graph,
             mask,
             1.0 / math.sqrt(self.head_dim),
+            unit_weight=True,  # the straight-through mask is all ones
         ).reshape(batch, heads, n, -1)
         per_group = torch.zeros(num_groups, dtype=mask.dtype, device=mask.device)
         per_group = per_group.index_add(0, edges[0], mask)
