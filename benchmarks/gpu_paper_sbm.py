@@ -240,7 +240,7 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from companion.devices import resolve_device
-    from companion.book.provenance import git_state
+    from companion.book.gitstate import git_state
 
     device = resolve_device(args.device)
     if device.type == "cpu" and not os.environ.get("COMPANION_TORCH_THREADS"):
