@@ -1,22 +1,21 @@
 """companion: the shared library of *Attention, Reproduced*.
 
-Plain functions on torch tensors, CPU and GPU alike. One module per idea:
+Plain functions on torch tensors, CPU and GPU alike; one package per chapter, and in each
+a ``reference`` module that reads like the paper's equations beside the fast code
+(``tests/test_fast_equals_reference.py`` holds every pair together).
 
-- ``masks`` (mask_mods, their combinators, dense masks), ``reachability``, ``task_merge``,
-  ``masked_transformer``: Hasse diagrams for attention (chapter 1)
-- ``context_similarity``, ``corpora``: per-head output similarities (chapter 2);
-  ``segmentation``, ``segmentation_eval``: sentence boundaries read from them, scored
-- ``gradient_flow``: multi-head Wasserstein gradient flow on the sphere (chapter 3)
-- ``sbm``, ``edge_attention``, ``lra``: SBM-Transformer and offline long-range tasks
-  (chapter 4)
-- ``parallel``: a library function under ``torchrun`` with N processes, from a notebook
-- ``provenance``: figures, tables and claims saved with their provenance
-- ``prose``: the words of a chapter's summary sentences, computed from its numbers
-- ``_validate``: the shared argument checks and their messages
-- ``claims_diff``: the claims that differ between two builds; ``site``: the book's
-  addresses (repository, published site, distribution name)
-- ``runner``, ``cli``: execute chapters with papermill and build the book; ``pages``
-  (figure index, reproduction report), ``htmlcheck`` (browser check), ``interrupts``
-  (Ctrl-C as a recorded state)
+- ``hasse``: masks (one ``mask_mod`` per mask, ``materialise``, ``and_masks`` /
+  ``or_masks``), reachability, task_merge, masked_transformer, draw (chapter 1)
+- ``context_similarity``: encoder, capture (``hook_z`` / ``hook_pattern``), topk, stats,
+  corpus (the corpus pass), segmentation and segmentation_eval (chapter 2)
+- ``gradient_flow``: kernels, simulation, analysis (chapter 3)
+- ``sbm``: fastrg, graph_attention, layer; ``lra``: the offline long-range tasks, the
+  model, training and the chapter's experiments (chapter 4)
+- shared: ``_validate`` (argument checks and their messages), ``devices``, ``timing``
+  (timed calls), ``parallel`` (a library function under ``torchrun`` from a notebook),
+  ``corpora`` (the bundled English corpora)
+- ``book``: the book's machinery (chapter, records, claims, citations, myst, runner,
+  project, pages, htmlcheck, cli, prose, site, claims_diff, ...). No science package
+  imports it.
 """
 __version__ = "0.1.0"
