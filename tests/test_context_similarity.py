@@ -872,6 +872,71 @@ def test_nproc_two_under_torchrun_equals_one_process(tiny_model_dir):
 # ------------------------------------------------------------------ loading and bad input
 
 
+def _assert_stats_identical(got, want):
+    assert got.config() == want.config()
+    for name, value in want.tensors().items():
+        assert torch.equal(getattr(got, name), value), name
+    assert (got._tracked is None) == (want._tracked is None)
+    if want.per_window:
+        w_got, w_want = got.window_sums(), want.window_sums()
+        assert w_got.keys() == w_want.keys()
+        for name, value in w_want.items():
+            assert torch.equal(w_got[name], value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("windowed", [False, True])
+def test_one_pass_for_pre_and_post_wo_equals_two_passes(tiny_model_dir, dtype, windowed):
+    """where=("pre_wo", "post_wo"): one forward pass, and each statistic bit for bit that
+    of its own pass, with and without per-window parts and tracked tokens; ``into``
+    continues statistics in batch order exactly as one pass over all the windows."""
+    model, tok = load_encoder(str(tiny_model_dir), device="cpu", dtype=dtype)
+    wins = _small_windows(tok, length=16)
+    assert len(wins) >= 5
+    tracked = torch.zeros(2, 4, dtype=torch.long) + tok.convert_tokens_to_ids(".")
+    opts = dict(tokenizer=tok, batch_size=2, percentile=10.0, progress=False, nproc=1,
+                per_window=windowed, track_tokens=tracked if windowed else None)
+    pre = analyse_corpus(model, wins, **opts)
+    post = analyse_corpus(model, wins, where="post_wo", **opts)
+    both = analyse_corpus(model, wins, where=("pre_wo", "post_wo"), **opts)
+    assert isinstance(both, tuple) and len(both) == 2
+    _assert_stats_identical(both[0], pre)
+    _assert_stats_identical(both[1], post)
+    flipped = analyse_corpus(model, wins, where=("post_wo", "pre_wo"), **opts)
+    _assert_stats_identical(flipped[0], post)
+    _assert_stats_identical(flipped[1], pre)
+    # the chapter's use: per-window pre halves, one plain post over both halves
+    plain = analyse_corpus(model, wins, where="post_wo", tokenizer=tok, batch_size=2,
+                           percentile=10.0, progress=False, nproc=1)
+    half = 2 * (len(wins) // 4)  # a multiple of the batch size
+    opts.pop("per_window")
+    first, post_sum = analyse_corpus(model, wins[:half], where=("pre_wo", "post_wo"),
+                                     per_window=(windowed, False), **opts)
+    second, again = analyse_corpus(model, wins[half:], where=("pre_wo", "post_wo"),
+                                   per_window=(windowed, False), into=(None, post_sum),
+                                   **opts)
+    assert again is post_sum and not post_sum.per_window
+    _assert_stats_identical(post_sum, plain)
+    _assert_stats_identical(first, analyse_corpus(model, wins[:half], per_window=windowed,
+                                                  **opts))
+    _assert_stats_identical(second, analyse_corpus(model, wins[half:], per_window=windowed,
+                                                   **opts))
+
+
+def test_where_tuple_bad_input_names_the_parameter(tiny_model_dir):
+    model, tok = load_encoder(str(tiny_model_dir), device="cpu")
+    wins = _small_windows(tok, length=16)
+    opts = dict(tokenizer=tok, progress=False, nproc=1)
+    with pytest.raises(ValueError, match="where"):
+        analyse_corpus(model, wins, where=("pre_wo", "pre_wo"), **opts)
+    with pytest.raises(ValueError, match="where"):
+        analyse_corpus(model, wins, where=(), **opts)
+    with pytest.raises(ValueError, match="per_window"):
+        analyse_corpus(model, wins, where=("pre_wo", "post_wo"), per_window=(True,), **opts)
+    with pytest.raises(ValueError, match="into"):
+        analyse_corpus(model, wins, where=("pre_wo", "post_wo"), into=(None,), **opts)
+
+
 def test_load_encoder_from_a_path_and_missing_models(tiny_model_dir, tmp_path):
     model, tok = load_encoder(tiny_model_dir, device="cpu")
     assert model.config.num_hidden_layers == 2 and not model.training

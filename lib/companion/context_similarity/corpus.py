@@ -64,7 +64,7 @@ def analyse_corpus(
     *,
     tokenizer=None,
     separators: dict[str, int] | None = None,
-    where: str = "pre_wo",
+    where: str | tuple[str, ...] = "pre_wo",
     batch_size: int = 16,
     percentile: float = 1.0,
     attention_threshold: float = 0.1,
@@ -72,11 +72,12 @@ def analyse_corpus(
     progress: bool = True,
     distributed: bool | None = None,
     group=None,
-    per_window: bool = False,
+    per_window: bool | tuple[bool, ...] = False,
     track_tokens: torch.Tensor | None = None,
     nproc: int | None = None,
     settings: CaptureSettings = CaptureSettings(),
-) -> SimilarityStats:
+    into: SimilarityStats | tuple[SimilarityStats | None, ...] | None = None,
+) -> SimilarityStats | tuple[SimilarityStats, ...]:
     """Context-similarity statistics of a model over a set of windows.
 
     The windows are split into consecutive batches of ``batch_size``; batch ``k`` is
@@ -91,7 +92,9 @@ def analyse_corpus(
     windows : :class:`companion.corpora.Windows`.
     tokenizer, separators : the separator tokens whose attention mass is tracked:
         ``separators`` (name -> id), or ``separator_ids(tokenizer)`` ('.', ',', '[SEP]').
-    where : "pre_wo" | "post_wo" (ablation; via :func:`wo_gram`).
+    where : "pre_wo" | "post_wo" (ablation; via :func:`wo_gram`), or a tuple of them:
+        one forward pass feeds one SimilarityStats per entry (the post-W_O statistics use
+        the same head outputs with the metric), each equal to a pass of its own.
     batch_size : windows per forward pass.
     percentile, attention_threshold : see :class:`SimilarityStats`.
     device : where the statistics accumulate (default: the model's device). Each batch
@@ -102,8 +105,10 @@ def analyse_corpus(
     group : the process group (default: the world).
     per_window : also keep every window's contribution (for a bootstrap over windows;
         see :class:`SimilarityStats`). Under torchrun the windows come back grouped by rank.
+        With a tuple ``where``: one bool for all, or a tuple with one per entry.
     track_tokens : optional [L, H] token ids to count per window (needs ``per_window``;
-        see :meth:`SimilarityStats.track_tokens`).
+        see :meth:`SimilarityStats.track_tokens`); with a tuple ``where``, counted by the
+        statistics that keep ``per_window``.
     nproc : run the pass under ``torchrun`` with this many processes from here (a
         notebook, one process): :func:`companion.parallel.torchrun_call` starts them, each
         takes every ``nproc``-th batch, and the all-reduced statistics come back, per-window
@@ -111,10 +116,19 @@ def analyse_corpus(
         Ignored inside an initialised process group (the ranks are already there).
     settings : :class:`CaptureSettings` of the forward pass (speed only: the default stops
         it after the last layer's attention; the statistics are the same either way).
+    into : statistics to add these windows to, in batch order (one per ``where`` entry,
+        None: fresh ones), instead of new ones; their own ``per_window`` and tracked tokens
+        apply. Two calls over consecutive windows then sum exactly as one call over all of
+        them does when the first call's windows are a multiple of ``batch_size``.
 
     Returns
     -------
-    SimilarityStats on ``device``.
+    SimilarityStats on ``device`` (``into`` itself where given), or a tuple of them, one
+    per entry, for a tuple ``where``.
+
+    >>> import inspect
+    >>> inspect.signature(analyse_corpus).parameters["where"].default
+    'pre_wo'
 
     Complexity
     ----------
@@ -131,8 +145,7 @@ def analyse_corpus(
         raise ValueError("windows: expected at least one window, got none")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
-    if where not in WHERE:
-        raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    wheres, windowed, targets = _where_plan(where, per_window, into)
     if separators is None:
         if tokenizer is None:
             raise ValueError("tokenizer: needed to find the separator tokens (or pass separators=)")
@@ -146,50 +159,97 @@ def analyse_corpus(
     if nproc > 1 and distributed is not False and not (dist.is_available()
                                                          and dist.is_initialized()):
         kind = next(model.parameters()).device.type
-        stats = torchrun_call("companion.context_similarity.corpus:analyse_corpus", dict(
-            model=model, windows=windows, separators=separators, where=where,
+        out = torchrun_call("companion.context_similarity.corpus:analyse_corpus", dict(
+            model=model, windows=windows, separators=separators, where=wheres,
             batch_size=batch_size, percentile=percentile,
             attention_threshold=attention_threshold, device=device, progress=progress,
-            per_window=per_window, track_tokens=track_tokens, nproc=1, settings=settings),
+            per_window=windowed, track_tokens=track_tokens, nproc=1, settings=settings),
             nproc=nproc, device="cuda" if kind == "cuda" else "cpu")
-        return stats.to(resolve_device(device) if device is not None
-                        else next(model.parameters()).device)
+        dev = resolve_device(device) if device is not None else next(model.parameters()).device
+        out = tuple(s.to(dev) if t is None else t.merge(s)
+                    for s, t in zip(out, targets))
+        return out if isinstance(where, tuple) else out[0]
     model_device = next(model.parameters()).device
     dev = model_device if device is None else resolve_device(device)
     n_layers, n_heads, _ = _heads(model)
-    stats = SimilarityStats(
-        n_layers=n_layers, n_heads=n_heads, length=windows.length,
-        vocab_size=int(model.config.vocab_size), percentile=percentile,
-        attention_threshold=attention_threshold, separators=separators, device=dev,
-        per_window=per_window,
-    )
-    if track_tokens is not None:
-        stats.track_tokens(track_tokens)
     is_dist, rank, world = _distributed(distributed, group)
+    fresh = []  # what is summed here; under a process group, added to ``into`` after the all-reduce
+    for keep, target in zip(windowed, targets):
+        s = SimilarityStats(
+            n_layers=n_layers, n_heads=n_heads, length=windows.length,
+            vocab_size=int(model.config.vocab_size), percentile=percentile,
+            attention_threshold=attention_threshold, separators=separators, device=dev,
+            per_window=keep,
+        )
+        if target is not None:
+            target._check_compatible(s)
+            if is_dist:  # all-reduce the new windows only, then add them to ``into``
+                s = SimilarityStats(**target.config(), device=dev)
+                if target._tracked is not None:
+                    s.track_tokens(target._tracked)
+            else:
+                s = target
+        elif track_tokens is not None and keep:
+            s.track_tokens(track_tokens)
+        fresh.append(s)
+    if track_tokens is not None and not any(windowed):
+        raise ValueError("token_ids: tracking tokens needs per_window=True")
     n_batches = math.ceil(len(windows) / batch_size)
     mine = range(rank, n_batches, world)
-    gram = wo_gram(model) if where == "post_wo" else None
+    gram = wo_gram(model) if "post_wo" in wheres else None
+    metrics = [gram if w == "post_wo" else None for w in wheres]
     # buffers (maps, head outputs, similarity products) reused by every batch and call
     workspace = _SHARED_WORKSPACES.setdefault(str(model_device), Workspace())
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(windows), desc=f"context similarity ({where})", unit="window")
+        bar = tqdm(total=len(windows), desc=f"context similarity ({'+'.join(wheres)})",
+                   unit="window")
     for k in mine:
         part = windows[k * batch_size:(k + 1) * batch_size]
         batch = {name: t.to(model_device) for name, t in part.batch().items()}
-        result = analyse_batch(model, batch, where=where, gram=gram, workspace=workspace,
-                               settings=settings)
-        stats.update(result, workspace=workspace)
+        result = analyse_batch(model, batch, where=wheres[0], gram=metrics[0],
+                               workspace=workspace, settings=settings)
+        for s, metric in zip(fresh, metrics):  # one forward pass, one update per where
+            s.update(result._replace(metric=metric), workspace=workspace)
         if bar is not None:
             # rank 0 speaks for all ranks: they advance in lock-step over equal shards
             bar.update(min(len(part) * world, bar.total - bar.n))
     if bar is not None:
         bar.close()
     if is_dist:
-        stats.all_reduce(group)
-    return stats
+        for s in fresh:
+            s.all_reduce(group)
+        fresh = [s if t is None else t.merge(s) for s, t in zip(fresh, targets)]
+    return tuple(fresh) if isinstance(where, tuple) else fresh[0]
+
+
+def _where_plan(where, per_window, into):
+    """(wheres, per_window per where, into per where) of :func:`analyse_corpus`."""
+    many = isinstance(where, tuple)
+    wheres = where if many else (where,)
+    if not wheres or any(w not in WHERE for w in wheres):
+        raise ValueError(f"where: expected one of {WHERE} or a tuple of them, got {where!r}")
+    if len(set(wheres)) != len(wheres):
+        raise ValueError(f"where: expected distinct entries, got {where!r}")
+    if isinstance(per_window, tuple):
+        if not many or len(per_window) != len(wheres):
+            raise ValueError(f"per_window: expected a bool or one per where entry "
+                             f"({len(wheres)}), got {per_window!r}")
+        windowed = tuple(bool(p) for p in per_window)
+    else:
+        windowed = (bool(per_window),) * len(wheres)
+    if into is None:
+        targets = (None,) * len(wheres)
+    else:
+        targets = into if isinstance(into, tuple) else (into,)
+        if len(targets) != len(wheres) or not all(
+                t is None or isinstance(t, SimilarityStats) for t in targets):
+            raise ValueError(f"into: expected None or one SimilarityStats (or None) per "
+                             f"where entry ({len(wheres)}), got {into!r}")
+        windowed = tuple(w if t is None else t.per_window for w, t in zip(windowed, targets))
+    return wheres, windowed, targets
 
 
 # --------------------------------------------------------------------------- CLI (torchrun)
