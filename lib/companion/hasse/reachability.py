@@ -305,8 +305,7 @@ def _closure_packed(packed: np.ndarray) -> _Closure:
         n_classes, raw = connected_components(graph, directed=True, connection="strong")
         src, dst = raw[cols], raw[rows]  # information flows key class -> query class
         keep = src != dst
-        pairs = np.unique(src[keep] * n_classes + dst[keep])
-        src, dst = pairs // n_classes, pairs % n_classes
+        src, dst = src[keep], dst[keep]  # repeated class pairs are harmless below
         # scipy numbers the components as its depth-first search completes them, which
         # is a topological order (or its reverse) of the condensation in practice; that
         # is checked on every edge, and Kahn's algorithm runs only when it fails.
@@ -320,9 +319,11 @@ def _closure_packed(packed: np.ndarray) -> _Closure:
         rank[topo] = np.arange(n_classes)
         labels = rank[raw]
         src, dst = rank[src], rank[dst]
-        adj = [0] * n_classes
-        for a, b in zip(src.tolist(), dst.tolist()):
-            adj[b] |= 1 << a
+        class_adj = np.zeros((n_classes, (n_classes + 63) // 64), dtype=np.uint64)
+        np.bitwise_or.at(class_adj, (dst, src >> 6),
+                         np.left_shift(np.uint64(1), (src & 63).astype(np.uint64)))
+        adj = _ints_from_packed(class_adj)  # adj[b]: bit a set for every edge a -> b
+        del class_adj
 
     # Closure and transitive reduction in one topological sweep (Python ints are
     # bitsets: OR and highest set bit run in C over n/30 digits).
