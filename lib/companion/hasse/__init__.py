@@ -3,7 +3,10 @@
 - ``masks``: one ``mask_mod`` per mask (the single source), ``materialise`` to a dense
   mask, ``and_masks`` / ``or_masks``
 - ``reachability``: the layer graph, Boolean powers, the reachability limit, its
-  quotient and Hasse diagram
+  quotient and Hasse diagram (bit-packed, for long sequences: ``packed_order_structure``)
+- ``reference``: the same definitions as plain code (dense products, loops), against
+  which the fast paths are tested
+- ``draw``: heat maps of masks and of reachability by layer, Hasse diagram layouts
 - ``task_merge``: a family of tasks' minimal common supergraph, and the mask it gives
 - ``masked_transformer``: a small transformer that attends through any of these masks
 """

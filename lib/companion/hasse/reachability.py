@@ -46,6 +46,11 @@ depth by binary lifting over the stored powers, and reduces the class order with
 product (``covers = S AND NOT S^2`` for the strict order ``S``). Cost
 ``O(n^3 log n)`` flops.
 
+Long sequences: :func:`packed_order_structure` runs the bitset method from a packed ``A``
+(:func:`packed_adjacency` of a ``mask_mod``, a block of rows at a time, or
+:func:`packed_adjacency_from_edges`) and returns ``R`` packed, so no ``n x n`` bool array
+is formed (``n = 32768``: ``R`` is 128 MiB packed, 1 GiB as bools).
+
 Both methods number the Hasse nodes identically: by the number of classes at or below the
 class, then by the smallest member (a topological order; the natural order for masks
 whose positions are already topologically ordered).
