@@ -93,9 +93,21 @@ def chapter_pass_main(args, model, tokenizer) -> int:
     wins = windows(load_corpus(args.corpus), tokenizer, 128, max_windows=n_windows, seed=0)
     runs = chapter_pass(wins, tokenizer, model, args.batch_size)
     results = {name: run() for name, run in runs.items()}  # warm-up, and the check
-    for got, want in zip(results["two_passes"], results["three_passes"]):
+    # identical when the first half is a multiple of the batch size (the post-W_O batches
+    # are then those of one pass over all windows); else the float sums of post-W_O may
+    # round differently: the largest relative difference is reported
+    differences = {}
+    for kind, got, want in zip(("pre_wo", "post_wo"), results["two_passes"],
+                               results["three_passes"]):
         for name, value in want.tensors().items():
-            assert torch.equal(getattr(got, name), value), name
+            other = getattr(got, name)
+            if torch.equal(other, value):
+                continue
+            assert value.is_floating_point(), f"{kind} {name}: integer counts differ"
+            rel = ((other - value).abs() / value.abs().clamp(min=1e-300)).max()
+            differences[f"{kind} {name}"] = float(rel)
+    aligned = (len(wins) // 2) % args.batch_size == 0
+    assert not (aligned and differences), differences
     load_before = os.getloadavg()
     times = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
@@ -121,7 +133,9 @@ def chapter_pass_main(args, model, tokenizer) -> int:
         "best_cpu_seconds": best_cpu,
         "seconds_per_window": {name: t / len(wins) for name, t in best.items()},
         "ratio_two_over_three": ratio, "ratio_two_over_three_cpu_time": ratio_cpu,
-        "identical_sums": True,
+        "first_half_multiple_of_batch": aligned,
+        "identical_sums": not differences,
+        "largest_relative_difference": differences,
         "load_average_before_after": [load_before, load_after],
     }
     lines = [
@@ -130,7 +144,8 @@ def chapter_pass_main(args, model, tokenizer) -> int:
         f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch "
         f"{args.batch_size}, {torch.get_num_threads()} torch threads, best of {repeats}, "
         f"interleaved. Load average (1 min) {load_before[0]:.2f} before, "
-        f"{load_after[0]:.2f} after. The sums of both are identical (checked).",
+        f"{load_after[0]:.2f} after. Sums identical: {not differences}"
+        + (f" (largest relative differences {differences})" if differences else "") + ".",
         "",
         "| run | best s (wall) | ms/window | best s (CPU) |",
         "|---|---|---|---|",

@@ -850,10 +850,17 @@ def test_nproc_two_under_torchrun_equals_one_process(tiny_model_dir):
     torch.set_num_threads(1)
     try:
         one = analyse_corpus(model, wins, nproc=1, **opts)
+        post = analyse_corpus(model, wins, nproc=1, where="post_wo", **opts)
     finally:
         torch.set_num_threads(threads)
-    two = analyse_corpus(model, wins, nproc=2, **opts)
+    # both statistics from one pass under torchrun (the single-where call takes the same way)
+    opts["per_window"] = (True, False)
+    two, post_two = analyse_corpus(model, wins, nproc=2, where=("pre_wo", "post_wo"), **opts)
     assert int(two.n_windows) == int(one.n_windows) == len(wins) >= 5
+    assert not post_two.per_window and int(post_two.n_windows) == len(wins)
+    for name, value in post.tensors().items():
+        torch.testing.assert_close(getattr(post_two, name), value, atol=1e-9, rtol=1e-9,
+                                   msg=name)
     for name, value in one.tensors().items():
         other = getattr(two, name)
         if value.is_floating_point():
