@@ -324,9 +324,15 @@ def _closure_packed(packed: np.ndarray) -> _Closure:
         rank[topo] = np.arange(n_classes)
         labels = rank[raw]
         src, dst = rank[src], rank[dst]
-        class_adj = np.zeros((n_classes, (n_classes + 63) // 64), dtype=np.uint64)
-        np.bitwise_or.at(class_adj, (dst, src >> 6),
-                         np.left_shift(np.uint64(1), (src & 63).astype(np.uint64)))
+        if n_classes <= 1 << 14:  # one plain indexed write, then pack (<= 256 MiB of bools)
+            class_bool = np.zeros((n_classes, n_classes), dtype=bool)
+            class_bool[dst, src] = True
+            class_adj = _pack_rows(class_bool)
+            del class_bool
+        else:
+            class_adj = np.zeros((n_classes, (n_classes + 63) // 64), dtype=np.uint64)
+            np.bitwise_or.at(class_adj, (dst, src >> 6),
+                             np.left_shift(np.uint64(1), (src & 63).astype(np.uint64)))
         adj = _ints_from_packed(class_adj)  # adj[b]: bit a set for every edge a -> b
         del class_adj
 
@@ -512,14 +518,10 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
         else:
             receivers, counts = _neighbours(out_adj, front_node)
             receivers += np.repeat(block_base, counts)
-        if receivers.size * 64 < marks.size:  # few: sorting them beats scanning the marks
-            cand = np.unique(receivers)
-            cand = cand[cand % stride32 != n]
-        else:
-            marks[receivers] = True
-            marks[dummies] = False
-            cand = np.flatnonzero(marks).astype(np.int32)
-            marks[cand] = False
+        marks[receivers] = True
+        marks[dummies] = False
+        cand = np.flatnonzero(marks).astype(np.int32)
+        marks[cand] = False
         new = _pull(frontier_words, in_adj, cand, stride32, gather_words)
         new &= ~visited[cand]
         frontier_words[front] = 0
