@@ -30,6 +30,7 @@ import torch
 import companion
 from companion import corpora, devices, gradient_flow as gf
 from companion.sbm import graph_attention as EA
+from companion.hasse import draw as D
 from companion.hasse import masked_transformer as MT
 from companion.hasse import masks as M
 from companion.hasse import reachability as RR
@@ -203,7 +204,7 @@ ROWS = [
         r"^inputs: expected 3 entries, got 2$"),
     Row("tokens_reached inputs None", "type", lambda: RR.tokens_reached(M.causal(3), None),
         TypeError, r"^inputs: expected a sequence of 3 token collections, got None$"),
-    Row("hasse_layout not a graph", "type", lambda: RR.hasse_layout(M.causal(3)), TypeError,
+    Row("hasse_layout not a graph", "type", lambda: D.hasse_layout(M.causal(3)), TypeError,
         r"^graph: expected a networkx\.DiGraph, got a torch\.bool tensor"),
     # ------------------------------------------------------------------ task_merge
     Row("task_merge.autoregressive_family n=0", "negative",

@@ -725,23 +725,6 @@ def first_reach_layer(mask: torch.Tensor) -> torch.Tensor:
     return first
 
 
-#: Drawing helpers that lived here before :mod:`companion.hasse.draw`; still importable
-#: from this module (lazily: draw imports this module).
-_MOVED_TO_DRAW = frozenset({
-    "draw_hasse", "draw_mask", "draw_reach_layers", "fit_hasse_axes", "format_members",
-    "hasse_layout", "hasse_panel_inches", "label_node_size", "ranked_layout",
-    "reach_layer_key",
-})
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_DRAW:
-        from companion.hasse import draw
-
-        return getattr(draw, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ------------------------------------------------- long sequences: never n^2 bools
 class PackedOrderStructure(NamedTuple):
     """What :func:`packed_order_structure` computes: :class:`OrderStructure` with ``R``
