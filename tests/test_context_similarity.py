@@ -1009,11 +1009,11 @@ def test_bad_input_raises_clear_errors(minilm64, tiny_model_dir):
     z = torch.randn(2, 1, 1, 6, 3, dtype=torch.float64)
     valid = torch.ones(2, 6, dtype=torch.bool)
     for kwargs, kind, message in [
-            (dict(k=1.5), TypeError, "k: expected a positive int, got 1.5"),
-            (dict(k=True), TypeError, "k: expected a positive int, got True"),
-            (dict(k=0), ValueError, "k: expected a positive int, got 0"),
+            (dict(k=1.5), TypeError, "k: expected an int >= 1, got 1.5"),
+            (dict(k=True), TypeError, "k: expected an int >= 1, got True"),
+            (dict(k=0), ValueError, "k: expected an int >= 1, got 0"),
             (dict(k=16), ValueError, "k: 16 exceeds the 15 pairs of 6 tokens"),
-            (dict(k=1, segment=2.0), TypeError, "segment: expected a positive int"),
+            (dict(k=1, segment=2.0), TypeError, "segment: expected an int >= 1"),
             (dict(k=1, valid=valid.long()), ValueError, "valid: expected a bool tensor"),
             (dict(k=1, valid=valid.to("meta")), ValueError, r"valid: .* on cpu, got"),
             (dict(k=1, outputs=z.long()), TypeError, "outputs: expected a floating tensor"),

@@ -143,8 +143,7 @@ def analyse_corpus(
             f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
     if len(windows) == 0:
         raise ValueError("windows: expected at least one window, got none")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+    batch_size = check_int("batch_size", batch_size, minimum=1)
     wheres, windowed, targets = _where_plan(where, per_window, into)
     if separators is None:
         if tokenizer is None:

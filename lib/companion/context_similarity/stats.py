@@ -21,6 +21,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from companion._validate import check_int
 from companion.context_similarity.capture import BatchResult
 from companion.context_similarity.topk import similarity_matrices, top_pairs
 from companion.context_similarity.workspace import Workspace, work_buffer
@@ -659,9 +660,7 @@ class SimilarityStats:
 
     def __post_init__(self):
         for name in ("n_layers", "n_heads", "length", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         if self.length < 2:
             raise ValueError(f"length: expected >= 2 tokens, got {self.length}")
         if not isinstance(self.percentile, (int, float)) or not 0 < self.percentile <= 100:
@@ -780,8 +779,7 @@ class SimilarityStats:
         every name, so ratios of sums are paired), i.e. the nonparametric bootstrap over
         windows of every sum in :meth:`window_sums`.
         """
-        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
-            raise ValueError(f"reps: expected a positive int, got {reps!r}")
+        reps = check_int("reps", reps, minimum=1)
         sums = self.window_sums()
         n = int(sums["n_queries"].shape[0])
         gen = torch.Generator().manual_seed(int(seed))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from companion._validate import check_int
 from companion.context_similarity.workspace import Workspace, work_buffer
 
 __all__ = ["TopPairsTuning", "similarity_matrices", "top_pairs"]
@@ -201,11 +202,8 @@ def top_pairs(
                if isinstance(valid, torch.Tensor) else type(valid).__name__)
         raise ValueError(f"valid: expected a bool tensor of shape {(b, t)} on "
                          f"{outputs.device}, got {got}")
-    for name, value in (("k", k), ("segment", segment)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name}: expected a positive int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    k = check_int("k", k, minimum=1)
+    segment = check_int("segment", segment, minimum=1)
     if k > t * (t - 1) // 2:
         raise ValueError(f"k: {k} exceeds the {t * (t - 1) // 2} pairs of {t} tokens")
     if metric is not None and (not isinstance(metric, torch.Tensor)
