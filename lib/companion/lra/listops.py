@@ -170,10 +170,8 @@ def generate(
     for name, val in (("n", n), ("seed", seed), ("min_length", min_length),
                       ("max_length", max_length), ("max_depth", max_depth),
                       ("max_args", max_args)):
-        if not isinstance(val, int) or isinstance(val, bool):
-            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-    if n < 1:
-        raise ValueError(f"n: expected a positive int, got {n}")
+        check_int(name, val)
+    check_int("n", n, minimum=1)
     if min_length < 0 or max_length <= min_length + 1:
         raise ValueError(
             f"min_length, max_length: expected 0 <= min_length < max_length - 1, "

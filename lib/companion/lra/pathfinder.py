@@ -267,10 +267,8 @@ def generate(
     """
     for name, val in (("n", n), ("seed", seed), ("size", size),
                       ("contour_length", contour_length)):
-        if not isinstance(val, int) or isinstance(val, bool):
-            raise TypeError(f"{name}: expected an int, got {type(val).__name__}")
-    if n < 1:
-        raise ValueError(f"n: expected a positive int, got {n}")
+        check_int(name, val)
+    check_int("n", n, minimum=1)
     if size < 8:
         raise ValueError(f"size: expected >= 8 pixels, got {size}")
     if contour_length < 1:

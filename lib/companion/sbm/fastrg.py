@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from companion._validate import check_tensor
+from companion._validate import check_int, check_tensor
 from companion.sbm.graph_attention import stable_argsort
 
 __all__ = ["fastrg_sample", "edge_probabilities", "FastRGTuning", "DUPLICATE_POLICIES"]
@@ -66,9 +66,7 @@ class FastRGTuning:
 
     def __post_init__(self):
         for name in ("table_block_entries", "draw_block"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         if self.key_draw not in KEY_DRAWS:
             raise ValueError(f"key_draw: expected one of {KEY_DRAWS}, got {self.key_draw!r}")
         accept = self.min_acceptance

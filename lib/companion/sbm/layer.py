@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from companion._validate import check_tensor
+from companion._validate import check_int, check_tensor
 from companion.sbm.fastrg import DUPLICATE_POLICIES, fastrg_sample
 from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
 
@@ -191,10 +191,7 @@ class SBMAttention(nn.Module):
         super().__init__()
         sizes = (("head_dim", head_dim), ("num_heads", num_heads), ("num_clusters", num_clusters))
         for name, val in sizes:
-            if not isinstance(val, int) or isinstance(val, bool):
-                raise TypeError(f"{name}: expected a positive int, got {val!r}")
-            if val < 1:
-                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+            check_int(name, val, minimum=1)
         if duplicates not in DUPLICATE_POLICIES:
             raise ValueError(
                 f"duplicates: expected one of {DUPLICATE_POLICIES}, got {duplicates!r}"
