@@ -903,18 +903,25 @@ def check_device_available(device: str) -> None:
                                f"{torch.cuda.device_count()} CUDA device(s)")
 
 
+def _chapter_lock_file(project: Project, name: str):
+    """The chapter's lock, ``locks/<name>.lock`` (its folder made), not yet acquired."""
+    import filelock
+
+    path = project.generated / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return filelock.FileLock(str(path))
+
+
 @contextlib.contextmanager
 def chapter_lock(project: Project, name: str, echo: Callable[[str], None]):
     """Hold ``locks/<name>.lock``; if another run holds it, say so and wait for it."""
     import filelock
 
-    path = project.generated / "locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = filelock.FileLock(str(path))
+    lock = _chapter_lock_file(project, name)
     try:
         lock.acquire(blocking=False)
     except filelock.Timeout:
-        echo(f"[waiting] {name}: another run of this chapter holds {path}; "
+        echo(f"[waiting] {name}: another run of this chapter holds {lock.lock_file}; "
              "waiting for it to finish")
         lock.acquire()
     try:
@@ -1049,9 +1056,7 @@ def cached_run(project: Project, name: str, *, scale: str | None, device: str | 
         nproc = check_nproc(nproc)
     except ChapterError:
         return None
-    path = project.generated / "locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = filelock.FileLock(str(path))
+    lock = _chapter_lock_file(project, name)
     try:
         lock.acquire(blocking=False)
     except filelock.Timeout:
