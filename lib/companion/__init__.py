@@ -14,7 +14,7 @@ a ``reference`` module that reads like the paper's equations beside the fast cod
 - shared: ``_validate`` (argument checks and their messages), ``devices``, ``timing``
   (timed calls), ``parallel`` (a library function under ``torchrun`` from a notebook),
   ``corpora`` (the bundled English corpora)
-- ``book``: the book's machinery (chapter, records, claims, citations, myst, runner,
+- ``book``: the book's machinery (chapter, records, claims, citations, myst, source, runner,
   project, pages, htmlcheck, cli, prose, site, claims_diff, ...). No science package
   imports it.
 """
