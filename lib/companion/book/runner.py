@@ -385,6 +385,59 @@ def _name_and_version(dist) -> str:
     return f"{(name or '').lower()}=={version}"
 
 
+def chapter_front_matter(project: Project, name: str) -> dict[str, Any]:
+    """The ``companion:`` mapping of the YAML front matter of ``chapters/<name>.md``
+    (empty when the chapter has none); ChapterError when it is not a mapping."""
+    import yaml
+
+    text = project.source(name).read_text()
+    if not text.startswith("---"):
+        return {}
+    end = text.find("\n---", 3)
+    meta = yaml.safe_load(text[3:end]) if end > 0 else None
+    section = (meta or {}).get("companion") if isinstance(meta, dict) else None
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ChapterError(f"{name}: front matter companion must be a mapping, "
+                           f"got {type(section).__name__}")
+    return section
+
+
+def expected_seconds(project: Project, name: str, scale: str | None) -> float:
+    """How long chapter ``name`` is expected to run at ``scale`` (None: its default), for
+    :func:`run_many`'s schedule only (the longest starts first): the last run's seconds
+    when that run was at this scale; else the hint in its front matter,
+    ``companion: expected-minutes: {scale: minutes}`` (minutes on a 2-core machine, so a
+    clean clone schedules well too); else 0. Never an error: a bad hint counts as none.
+    """
+    try:
+        params = _prepare(project, name, scale, None, None)[3]
+    except ChapterError:
+        return 0.0
+    wanted = params.get("scale")
+    record = load_record(project, name)
+    if (record and record.get("status") == "ok"
+            and (record.get("parameters") or {}).get("scale") == wanted):
+        with contextlib.suppress(TypeError, ValueError):
+            return float(record["seconds"])
+    try:
+        hint = (chapter_front_matter(project, name).get("expected-minutes") or {}).get(wanted)
+        return 60.0 * float(hint) if hint is not None else 0.0
+    except (ChapterError, AttributeError, TypeError, ValueError):
+        return 0.0
+
+
+def longest_first(project: Project, names: list[str],
+                  scales: dict[str, str | None]) -> list[str]:
+    """``names`` in the order :func:`run_many` starts them: longest expected run first
+    (:func:`expected_seconds`), ties in the given order. With two slots, a long chapter
+    started last would run alone at the end (at ci scale the SBM chapter is most of the
+    book's time)."""
+    expected = {name: expected_seconds(project, name, scales.get(name)) for name in names}
+    return sorted(names, key=lambda name: -expected[name])
+
+
 def chapter_inputs(project: Project, name: str) -> list[Path]:
     """The files a chapter reads besides the library, from its front matter.
 
@@ -393,14 +446,7 @@ def chapter_inputs(project: Project, name: str) -> list[Path]:
     SBM chapter reads the benchmark results it draws. They enter the cache key, so a new
     ``make bench`` re-executes the chapter. Files that do not exist are simply absent.
     """
-    import yaml
-
-    text = project.source(name).read_text()
-    if not text.startswith("---"):
-        return []
-    end = text.find("\n---", 3)
-    meta = yaml.safe_load(text[3:end]) if end > 0 else None
-    patterns = ((meta or {}).get("companion") or {}).get("inputs") or []
+    patterns = chapter_front_matter(project, name).get("inputs") or []
     if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
         raise ChapterError(f"{name}: front matter companion.inputs must be a list of paths")
     return sorted({path for pattern in patterns for path in project.root.glob(pattern)
@@ -1506,10 +1552,11 @@ def run_many(project: Project, names: list[str], *,
     """Execute chapters in parallel processes, torch threads divided between them.
 
     ``scale`` is one scale for all, or a mapping chapter -> scale (None: its default).
-    A chapter whose published run is current (:func:`cached_run`) is reported cached
-    without a process. Each child's lines (its start with its log path, its progress
-    every :func:`progress_seconds`, its result) are echoed as they come; its status is
-    the result file it writes (``run --result-file``), not its words.
+    Chapters start longest first (:func:`longest_first`). A chapter whose published run
+    is current (:func:`cached_run`) is reported cached without a process. Each child's
+    lines (its start with its log path, its progress every :func:`progress_seconds`, its
+    result) are echoed as they come; its status is the result file it writes
+    (``run --result-file``), not its words.
 
     On SIGINT or SIGTERM (a KeyboardInterrupt here) every running child gets SIGTERM,
     which makes it kill its kernel and remove its staging folder; they are waited for
@@ -1528,6 +1575,7 @@ def run_many(project: Project, names: list[str], *,
                 pending.remove(name)
     if not pending:
         return sorted(results, key=lambda r: names.index(r.name))
+    pending = longest_first(project, pending, scales)
     jobs = max(1, min(jobs, len(pending)))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     running: dict[str, _Child] = {}
