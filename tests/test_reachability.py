@@ -173,6 +173,26 @@ def test_bfs_paths_agree():
         assert depths == {_brute(mask)[1]}
 
 
+def test_row_intervals_and_closed_form_depth():
+    """Interval rows are found across word boundaries; rows with a gap or with ends that
+    go back take the search; the closed form agrees with the BFS distances."""
+    for n, width in [(130, 64), (200, 65), (129, 1), (70, 70)]:
+        packed = RR._closure_bitset(M.sliding_window(n, width)).packed
+        lo, hi = RR._row_intervals(packed)
+        q = np.arange(n)
+        assert np.array_equal(lo, np.maximum(q - width + 1, 0)) and np.array_equal(hi, q)
+        assert RR._depth_intervals(lo, hi) == _brute(M.sliding_window(n, width))[1]
+    gap = M.chain(10)
+    gap[7, 2] = True  # row 7 = {2, 6, 7}: not an interval
+    assert RR._row_intervals(RR._closure_bitset(gap).packed) is None
+    back = M.causal(6)
+    back[3, :2] = False  # row 3 = 2..3, row 4 = 0..4: lower ends go back
+    assert RR._row_intervals(RR._closure_bitset(back).packed) is None
+    for mask in (gap, back):
+        closure = RR._closure_bitset(mask)
+        assert RR._depth(closure.packed, RR._reach_count(closure)) == _brute(mask)[1]
+
+
 def test_scale_smoke():
     """n = 2048 runs through every stage (no timing assert: see the benchmark)."""
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 from companion.hasse import masks as M
 from companion.hasse import reachability as RR
 from companion.hasse import reference as ref
-from companion.hasse.reachability import _closure_bitset, _depth_bitset, _reach_count
+from companion.hasse.reachability import _closure_bitset, _depth, _depth_bitset, _reach_count
 
 from reference_pairs import Pair
 
@@ -39,6 +39,14 @@ def _mask(size: str, device, generator) -> torch.Tensor:
         mask = M.chain(n)
     elif kind == "window3":
         mask = M.sliding_window(n, 3)
+    elif kind == "twosided2":  # rows are intervals, with cycles: |q - k| <= 2
+        q = torch.arange(n)
+        mask = (q[:, None] - q[None, :]).abs() <= 2
+    elif kind == "intervals":  # irregular monotone intervals (ends drawn, then sorted)
+        q = torch.arange(n)
+        lo = torch.sort(torch.randint(0, n, (n,), generator=generator)).values.minimum(q)
+        hi = torch.sort(torch.randint(0, n, (n,), generator=generator)).values.maximum(q)
+        mask = (q[None, :] >= lo[:, None]) & (q[None, :] <= hi[:, None])
     elif kind == "blockcausal4":
         mask = M.block_causal(n, 4)
     elif kind == "bidirectional":
@@ -52,7 +60,11 @@ def _mask(size: str, device, generator) -> torch.Tensor:
 
 GRAPH_SIZES = ("empty-1", "causal-1", "chain-2", "random-7", "random-19", "randomdag-13",
                "chain-17", "window3-21", "blockcausal4-15", "bidirectional-5", "butterfly-5",
-               "empty-9", "hubchain-23")
+               "empty-9", "hubchain-23", "twosided2-11", "intervals-15")
+# masks whose rows are monotone intervals (the closed-form depth), and two that are not
+INTERVAL_SIZES = ("causal-1", "chain-2", "chain-17", "window3-21", "blockcausal4-15",
+                  "bidirectional-5", "empty-9", "twosided2-11", "intervals-15", "intervals-8",
+                  "random-19", "hubchain-23")
 
 
 def _make_mask(size, dtype, device, generator):
@@ -79,6 +91,11 @@ def _depth_by_blocks(words_per_node, gather_words=1 << 22):
                              gather_words)
 
     return depth
+
+
+def _depth_auto(mask):  # closed form for interval rows, else the search
+    closure = _closure_bitset(mask)
+    return _depth(closure.packed, _reach_count(closure))
 
 
 def _packed_from_mod(size, dtype, device, generator):
@@ -185,6 +202,9 @@ PAIRS = [
            reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
            sizes=("random-19", "chain-17", "window3-21", "butterfly-5"), dtypes=BOOL,
            exact=True, cuda=False) for w in (1, 2)],
+    Pair(name="hasse.depth.intervals", fast=_depth_auto,
+         reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
+         sizes=INTERVAL_SIZES, dtypes=BOOL, exact=True, cuda=False),
     Pair(name="hasse.depth_bitset.chunked", fast=_depth_by_blocks(None, gather_words=8),
          reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
          sizes=("random-19", "hubchain-23", "chain-17"), dtypes=BOOL, exact=True, cuda=False),

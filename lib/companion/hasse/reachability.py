@@ -37,8 +37,13 @@ Algorithms
    sources are grouped in blocks of ``64 w`` (``w`` words per node, chosen from the
    mask's bandwidth), every (block, node) pair carries the bit set of the block's
    sources that reached it, and all blocks advance in lockstep, one Python iteration per
-   BFS level. Cost ``O(sum over levels of frontier edges * w)`` word operations: about
-   ``n * L* * width * 2`` for a sliding window, ``O(E n / 64)`` in the worst case.
+   BFS level. Cost ``O(sum over levels of frontier edges * w)`` word operations,
+   ``O(E n / 64)`` in the worst case. Masks whose rows are intervals with
+   non-decreasing ends (causal, sliding window, block-causal, chain) skip the search:
+   row ``q`` of ``A^L`` is the interval between the ``L``-fold compositions of the row
+   ends, and the depth is the number of compositions until both settle, found by binary
+   lifting in ``O(n log n)`` (a sliding window of width 64 at ``n = 32768``: 521 levels,
+   0.1 s instead of 25 s).
 
 ``method="matmul"`` (any device, the default for CUDA tensors) squares ``A`` repeatedly
 with float matrix products on the mask's device (exact for ``n < 2**24``), finds the
@@ -458,6 +463,74 @@ def _pull(frontier_words: np.ndarray, in_adj: _Adjacency, cand: np.ndarray,
     return np.concatenate(out)
 
 
+def _row_intervals(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(lo, hi)`` when every row ``q`` of the packed ``A`` is one run of set bits
+    ``lo[q] .. hi[q]`` and both ends are non-decreasing in ``q`` (causal, sliding-window,
+    block-causal, chain masks), else None. Cost ``O(n * words)`` word operations."""
+    n, words = packed.shape
+    counts = np.bitwise_count(packed).sum(axis=1, dtype=np.int64)
+    nonzero = packed != 0
+    first = nonzero.argmax(axis=1)  # every row has its diagonal bit
+    last = words - 1 - nonzero[:, ::-1].argmax(axis=1)
+    del nonzero
+    rows = np.arange(n)
+    low = packed[rows, first]
+    low_bit = np.bitwise_count((low & (~low + np.uint64(1))) - np.uint64(1))  # trailing 0s
+    high = packed[rows, last]
+    for shift in (1, 2, 4, 8, 16, 32):  # smear the highest set bit down
+        high |= high >> np.uint64(shift)
+    lo = first.astype(np.int64) * 64 + low_bit.astype(np.int64)
+    hi = last.astype(np.int64) * 64 + np.bitwise_count(high).astype(np.int64) - 1
+    if not np.array_equal(counts, hi - lo + 1):
+        return None
+    if (np.diff(lo) < 0).any() or (np.diff(hi) < 0).any():
+        return None
+    return lo, hi
+
+
+def _steps_to_fixed_point(step: np.ndarray) -> int:
+    """Smallest ``L`` with ``step^L = step^(L + 1)`` on every position, for a monotone
+    ``step`` with ``step^L(q)`` monotone in ``L`` (binary lifting: ``O(n log n)``)."""
+    n = step.size
+    powers = [step]  # powers[j] = step^(2^j)
+    while (1 << (len(powers) - 1)) < n:
+        powers.append(powers[-1][powers[-1]])
+    fixed = powers[-1]  # step^(2^J), 2^J >= n: every orbit has settled
+    here = np.arange(n)
+    steps = np.zeros(n, dtype=np.int64)
+    for j in range(len(powers) - 1, -1, -1):  # largest jumps that stay short of the limit
+        ahead = powers[j][here]
+        short = ahead != fixed
+        here = np.where(short, ahead, here)
+        steps += short.astype(np.int64) << j
+    steps += here != fixed  # one more step reaches the limit, unless q is already there
+    return int(steps.max())
+
+
+def _depth_intervals(lo: np.ndarray, hi: np.ndarray) -> int:
+    """Depth of ``A`` whose rows are the intervals ``lo[q] .. hi[q]`` (monotone ends).
+
+    Row ``q`` of ``A^L`` is then ``lo^L(q) .. hi^L(q)`` (``L``-fold compositions): a union
+    of intervals that each contain their own position is an interval, and monotone ends
+    make its ends those of the outermost rows. ``A^L = R`` once both compositions have
+    settled on every row, so the depth is the larger of their numbers of steps to the
+    fixed point. ``O(n log n)`` instead of one BFS level per layer."""
+    return max(_steps_to_fixed_point(lo), _steps_to_fixed_point(hi))
+
+
+def _depth(packed: np.ndarray, r_count: int) -> int:
+    """Depth of the packed ``A``: in closed form when its rows are monotone intervals
+    (:func:`_depth_intervals`), else by the bit-parallel search (:func:`_depth_bitset`)."""
+    n = packed.shape[0]
+    a_count = int(np.bitwise_count(packed).sum())
+    if a_count == r_count:  # A is a subset of R: equal sizes mean A = R
+        return 0 if a_count == n else 1
+    intervals = _row_intervals(packed) if n > 1 else None
+    if intervals is not None:
+        return _depth_intervals(*intervals)
+    return _depth_bitset(packed, r_count)
+
+
 def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None = None,
                   gather_words: int = 1 << 22) -> int:
     """Smallest L with A^L = R, given A packed and the number of True entries of R.
@@ -632,7 +705,7 @@ def order_structure(
     if method == "bitset":
         closure = _closure_bitset(mask)
         r_np = _expand_reach(closure)
-        depth = _depth_bitset(closure.packed, _reach_count(closure)) if compute_depth else -1
+        depth = _depth(closure.packed, _reach_count(closure)) if compute_depth else -1
         hasse = _build_hasse(closure.labels, closure.covers, len(closure.reach))
         return OrderStructure(
             torch.from_numpy(r_np), depth, hasse, torch.from_numpy(closure.labels)
@@ -853,7 +926,7 @@ def packed_order_structure(packed: np.ndarray, *,
     hasse = _build_hasse(closure.labels, closure.covers, len(closure.reach))
     labels = closure.labels
     del closure
-    depth = _depth_bitset(packed, r_count) if compute_depth else -1
+    depth = _depth(packed, r_count) if compute_depth else -1
     return PackedOrderStructure(reach, depth, hasse, labels)
 
 
