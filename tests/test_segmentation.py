@@ -94,6 +94,16 @@ def test_segment_gains_are_within_segment_sums():
             assert abs(float(w[a, b]) - direct) < 1e-9
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (7, 7), (3, 5, 5), (2, 3, 9, 9)])
+def test_step_major_gains_are_segment_gains_permuted_bit_for_bit(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    m = torch.randn(shape, generator=g, dtype=dtype)
+    nb = m.dim() - 2
+    want = sg.segment_gains(m).permute(nb + 1, nb, *range(nb))  # [b, a, ...] = W(a, b)
+    assert torch.equal(sg._gains_step_major(m), want)
+
+
 def test_dp_bad_input():
     with pytest.raises(ValueError, match="m: expected square"):
         sg.optimal_segmentation(torch.zeros(3, 4), 1.0)
@@ -131,6 +141,30 @@ def test_standardise_and_detrend():
     assert torch.allclose(d, sg.detrend(x))
     for k in range(1, 8):
         assert abs(float(torch.diagonal(d, k).sum() + torch.diagonal(d, -k).sum())) < 1e-9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_standardise_into_gives_the_same_numbers(dtype):
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3, 2, 5, 11, 11, generator=g, dtype=dtype)
+    view = big[..., 1:-1, 1:-1]  # strided, as the feature pass reads its content tokens
+    out = torch.empty(view.shape, dtype=dtype)
+    assert torch.equal(sg._standardise_into(view, out), sg._standardise(view))
+    for m in (big.clone(), torch.randn(2, 2, generator=g, dtype=dtype),
+              torch.full((4, 3, 3), 2.5, dtype=dtype), torch.randn(300, 3, 3, dtype=dtype)):
+        want = sg._standardise(m)
+        assert torch.equal(sg._standardise_into(m, m), want)  # in place
+    bad = torch.zeros(2, 4, 4, dtype=dtype)
+    bad[1, 0, 1] = float("nan")
+    with pytest.raises(ValueError, match="m: expected finite"):
+        sg._standardise_into(bad, torch.empty_like(bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_sums_from_a_run_of_heads_equal_the_gathered_sums(dtype):
+    x = torch.randn(3, 2, 12, 7, 7, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    for heads in ([0], [2, 3, 4], list(range(12)), [1, 5, 6]):
+        assert torch.equal(sg._head_sum(x, 1, heads), x[:, 1, heads].sum(1))
 
 
 def test_combine_equals_direct_average():
@@ -377,6 +411,26 @@ def planted_features(n_windows=6, n=40, seed=0, layer=2):
     return feats, gold
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_contrast_equals_pair_by_pair_means(dtype):
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(3, 2, 3, 9, 9, generator=g, dtype=dtype)
+    gold = torch.zeros(3, 9, dtype=torch.bool)
+    gold[0, 4] = gold[1, 2] = gold[1, 6] = True
+    got = se.head_contrast(z, gold, max_distance=3)
+    want = torch.zeros(2, 3, dtype=torch.float64)
+    for ly, h in itertools.product(range(2), range(3)):
+        same, diff = [], []
+        for b in range(3):
+            sent = gold[b].long().cumsum(0)
+            for i, j in itertools.product(range(9), range(9)):
+                if 1 <= abs(i - j) <= 3:
+                    (same if sent[i] == sent[j] else diff).append(float(z[b, ly, h, i, j]))
+        want[ly, h] = np.mean(same) - np.mean(diff)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
 def test_tune_finds_the_planted_layer_and_stacked_predictions_match():
     feats, gold = planted_features()
     threads = torch.get_num_threads()
@@ -502,7 +556,8 @@ def test_window_features_take_one_forward_pass(toy_brown, tok, tiny_model):
     sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
     torch.testing.assert_close(f.heads, sg.standardise(sims).float(), atol=1e-5, rtol=0)
     assert f.heads.shape == (5, 3, 2, 22, 22) and f.attention.shape == f.heads.shape
-    # filled in place, batch by batch: the same values as the batches concatenated
+    # standardised in place, batch by batch: the same values as the plain batches
+    # (fresh tensors, sg.standardise) concatenated, bit for bit
     parts = list(se._batches(tiny_model, w, 2))
     for i, got in enumerate((f.heads, f.attention, f.hidden)):
         assert torch.equal(got, torch.cat([p[i] for p in parts]))

@@ -135,6 +135,38 @@ def _standardise(m: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _standardise_into(m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`_standardise` of ``m`` written into ``out`` (same shape and dtype; ``out``
+    may be ``m`` itself, or any contiguous tensor not overlapping it), with the same
+    numbers.
+
+    The same operations in the same order, but no whole-size temporaries: the centred
+    matrices are formed in ``out`` and their squares summed matrix block by matrix block
+    (each matrix's sum is reduced as in the whole-tensor call; checked in the tests).
+    """
+    n = m.shape[-1]
+    cnt = n * (n - 1)
+    diag = m.diagonal(dim1=-2, dim2=-1)
+    mean = (m.sum((-1, -2)) - diag.sum(-1)) / cnt
+    if not bool(torch.isfinite(mean).all()):  # a NaN or infinity anywhere reaches a mean
+        raise ValueError("m: expected finite values (found NaN or infinity)")
+    if out is m:
+        out.sub_(mean[..., None, None])
+    else:
+        torch.sub(m, mean[..., None, None], out=out)
+    lead = out.reshape(-1, n, n) if out.dim() > 2 else out[None]
+    squares = torch.empty(lead.shape[0], dtype=out.dtype, device=out.device)
+    step = max(1, (1 << 20) // (n * n))  # blocks of about 4 MB of float32 squares
+    for i in range(0, lead.shape[0], step):
+        squares[i:i + step] = lead[i:i + step].square().sum((-1, -2))
+    cdiag = out.diagonal(dim1=-2, dim2=-1)
+    var = (squares.view(out.shape[:-2]) - cdiag.square().sum(-1)) / cnt
+    std = var.clamp(min=0).sqrt()
+    out.div_(torch.where(std > 0, std, torch.ones_like(std))[..., None, None])
+    out.diagonal(dim1=-2, dim2=-1).zero_()
+    return out
+
+
 def detrend(m: torch.Tensor) -> torch.Tensor:
     """Subtract from every entry the mean of its diagonal ``|i - j|`` (per matrix), so that
     a similarity that depends on distance alone becomes 0; the diagonal is set to 0.
@@ -211,6 +243,8 @@ def combine(sims: torch.Tensor, layers=None, heads=None, *, symmetrise: bool = F
             s = 0.5 * (s + s.transpose(-1, -2))
         return s if standardised else _standardise(s)
 
+    if standardised:  # nothing to prepare
+        prepare = None
     sums = [_head_sum(sims, ly, hs, prepare) for ly, hs in selection.items()]
     return _combine_sums(sums, sum(len(hs) for hs in selection.values()), detrend)
 
@@ -251,7 +285,12 @@ def head_selection(n_layers: int, n_heads: int, layers=None, heads=None) -> dict
 def _head_sum(sims, layer, heads, prepare=None) -> torch.Tensor:
     """Sum over ``heads`` of layer ``layer``'s (prepared) matrices [B, n, n], in the input's
     precision (at least float32)."""
-    s = sims[:, layer, heads].to(_work_dtype(sims.dtype))
+    first = heads[0]
+    if prepare is None and list(heads) == list(range(first, first + len(heads))):
+        # a run of heads: summed from a view, not a gathered copy (the same sums)
+        s = sims[:, layer, first:first + len(heads)].to(_work_dtype(sims.dtype))
+    else:
+        s = sims[:, layer, heads].to(_work_dtype(sims.dtype))
     if prepare is not None:
         s = prepare(s)
     return s.sum(1)
@@ -316,12 +355,40 @@ def optimal_segmentation(m: torch.Tensor, penalty) -> torch.Tensor:
     """
     _check_square("m", m)
     pen, scalar = _penalties(penalty)
+    return _optimal_segmentation(m, pen, scalar)
+
+
+def _gains_step_major(m: torch.Tensor) -> torch.Tensor:
+    """:func:`segment_gains` in step-major layout, ``wt[b, a, ...] = W(a, b)``
+    [n + 1, n + 1, *batch] (no input check).
+
+    The same numbers as ``segment_gains(m)`` permuted: the strict upper triangle is moved
+    to [j, i, *batch] first, so that both prefix sums (over ``i``, then over ``j``, in
+    that order, as there) and the subtraction run on contiguous blocks of the batch
+    instead of strided rows. CPU cumulative sums accumulate each line in sequence, so
+    the layout does not change a value (checked in the tests).
+    """
+    n = m.shape[-1]
+    nb = m.dim() - 2
+    ut = m.to(_work_dtype(m.dtype)).permute(nb + 1, nb, *range(nb)).contiguous()  # [j, i, ...]
+    idx = torch.arange(n, device=m.device)
+    below = (idx[None, :] >= idx[:, None]).view(n, n, *([1] * nb))  # i >= j: not i < j
+    ut.masked_fill_(below, 0.0)
+    pt = ut.new_zeros((n + 1, n + 1, *m.shape[:-2]))  # pt[c, r] = P[r, c]
+    pt[1:, 1:] = ut.cumsum(1).cumsum(0)
+    del ut
+    diag = pt.diagonal(dim1=0, dim2=1).movedim(-1, 0).clone()  # P[b, b], [n+1, ...]
+    return pt.neg_().add_(diag[:, None])  # W(a, b) = P[b, b] - P[a, b]
+
+
+def _optimal_segmentation(m: torch.Tensor, pen: torch.Tensor, scalar: bool) -> torch.Tensor:
+    """:func:`optimal_segmentation` after its checks (``pen``: 1-D float64 penalties)."""
     n = m.shape[-1]
     batch = m.shape[:-2]
     nb = len(batch)
     # step-major layout: wt[b, a, ...] = W(a, b), and every table below is [n+1, ..., P],
     # so each step reads and writes contiguous blocks and reduces over the leading dim
-    wt = segment_gains(m).permute(nb + 1, nb, *range(nb)).contiguous()[..., None]
+    wt = _gains_step_major(m)[..., None]
     dev = wt.device
     pen = pen.to(dev)
     n_pen = pen.shape[0]

@@ -290,19 +290,24 @@ class Features:
     hidden: torch.Tensor  # [N, n, D] float32, final hidden states
 
 
-def _batches(model, windows: Windows, batch_size: int):
+def _forward(model, part: Windows):
+    """(content-token similarity view, content-token attention view, hidden) of a batch."""
     from companion import context_similarity as cs
 
     dev = next(model.parameters()).device
+    batch = {"input_ids": part.input_ids.to(dev), "attention_mask": part.attention_mask.to(dev)}
+    with torch.no_grad():
+        ho = cs.head_outputs(model, batch, return_hidden=True)
+        sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
+    return sims, ho.attentions[..., 1:-1, 1:-1], ho.hidden[:, 1:-1]
+
+
+def _batches(model, windows: Windows, batch_size: int):
+    """The features of each batch, formed the plain way (fresh tensors; :func:`window_features`
+    forms the same numbers in place)."""
     for start in range(0, len(windows), batch_size):
-        part = windows[start:start + batch_size]
-        batch = {"input_ids": part.input_ids.to(dev), "attention_mask": part.attention_mask.to(dev)}
-        with torch.no_grad():
-            ho = cs.head_outputs(model, batch, return_hidden=True)
-            sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
-            att = ho.attentions[..., 1:-1, 1:-1]
-            att = 0.5 * (att + att.transpose(-1, -2))
-            hidden = ho.hidden[:, 1:-1]
+        sims, att, hidden = _forward(model, windows[start:start + batch_size])
+        att = 0.5 * (att + att.transpose(-1, -2))
         yield sg.standardise(sims).float(), sg.standardise(att).float(), hidden.float()
 
 
@@ -317,22 +322,32 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
         raise TypeError(
             f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
     batch_size = check_int("batch_size", batch_size, minimum=1)
+    if len(windows) == 0:
+        raise ValueError("windows: expected at least one window, got none")
     # Filled batch by batch into tensors allocated once: collecting the batches and
     # concatenating them would hold every feature twice (at paper scale, 2,000 windows of
     # [6, 12, 126, 126] float32 similarity and attention maps: about 9 GB each time).
-    out: list[torch.Tensor] | None = None
-    start = 0
-    for part in _batches(model, windows, batch_size):
+    # A float32 model's matrices are standardised straight into their rows (the same
+    # numbers as sg.standardise, without whole-batch temporaries); other dtypes are
+    # standardised in their own precision first, then stored as float32.
+    out: Features | None = None
+    for start in range(0, len(windows), batch_size):
+        sims, att, hidden = _forward(model, windows[start:start + batch_size])
         if out is None:
-            out = [torch.empty((len(windows), *x.shape[1:]), dtype=x.dtype, device=x.device)
-                   for x in part]
-        stop = start + part[0].shape[0]
-        for dest, x in zip(out, part):
-            dest[start:stop] = x
-        start = stop
-    if out is None:
-        raise ValueError("windows: expected at least one window, got none")
-    return Features(*out)
+            out = Features(*(torch.empty((len(windows), *x.shape[1:]), dtype=torch.float32,
+                                         device=x.device) for x in (sims, att, hidden)))
+        rows = slice(start, start + sims.shape[0])
+        heads, attention = out.heads[rows], out.attention[rows]
+        if sims.dtype == torch.float32:
+            sg._standardise_into(sims, heads)
+            torch.add(att, att.transpose(-1, -2), out=attention)
+            sg._standardise_into(attention.mul_(0.5), attention)
+        else:
+            heads.copy_(sg.standardise(sims))
+            attention.copy_(sg.standardise(0.5 * (att + att.transpose(-1, -2))))
+        out.hidden[rows] = hidden
+        del sims, att, hidden
+    return out
 
 
 def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -> torch.Tensor:
@@ -348,9 +363,13 @@ def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -
     near = (dist >= 1) & (dist <= max_distance)
     w_same = (same & near).to(torch.float32)
     w_diff = (~same & near).to(torch.float32)
-    w_same, w_diff = w_same.to(z.dtype), w_diff.to(z.dtype)
-    s_same = torch.einsum("blhij,bij->lh", z, w_same).double() / float(w_same.sum().clamp(min=1))
-    s_diff = torch.einsum("blhij,bij->lh", z, w_diff).double() / float(w_diff.sum().clamp(min=1))
+    # both weighted sums in one pass over z, window by window (one batched product,
+    # [N, L*H, n*n] @ [N, n*n, 2]: no permuted copy of z), then summed over the windows
+    w = torch.stack([w_same, w_diff], -1).to(z.dtype).reshape(z.shape[0], n * n, 2)
+    per_window = torch.bmm(z.reshape(z.shape[0], -1, n * n), w)  # [N, L*H, 2]
+    sums = per_window.double().sum(0).reshape(*z.shape[1:3], 2)
+    s_same = sums[..., 0] / float(w_same.sum().clamp(min=1))
+    s_diff = sums[..., 1] / float(w_diff.sum().clamp(min=1))
     return s_same - s_diff
 
 
@@ -412,8 +431,9 @@ def _predict_all(methods, feats, generator):
         pens = sorted({m.params["penalty"] for m in dp})
         pen = torch.tensor(pens, dtype=torch.float64)
         for chunk in _dp_chunks(dp, feats.heads.shape[0]):
+            # combine() checked every matrix: the stack goes to the programme unchecked
             stacked = torch.stack([m.matrix(feats) for m in chunk])  # [C, N, n, n]
-            pred = sg.optimal_segmentation(stacked, pen).cpu()  # [C, N, P, n]
+            pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
             for c, m in enumerate(chunk):
                 out[m.name] = pred[c, :, pens.index(m.params["penalty"])]
     for m in methods:
@@ -491,6 +511,8 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs)
     pen = torch.as_tensor(list(penalties), dtype=torch.float64)
     if pen.dim() != 1 or pen.numel() == 0:
         raise ValueError(f"penalties: expected a non-empty sequence, got {penalties!r}")
+    if not bool(torch.isfinite(pen).all()):
+        raise ValueError(f"penalties: expected finite values, got {penalties!r}")
     gold = gold.cpu()
     methods: list[Method] = []
     for family, src in (("head outputs", feats.heads), ("attention", feats.attention)):
@@ -502,6 +524,8 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs)
             top = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
             # the same sums combine() forms, computed once per layer
             sums = {ly: sg._head_sum(src, ly, top[ly]) for ly in range(n_layers)}
+            for ly in range(n_layers):  # every candidate is made from these: checked once
+                sg._check_square("feats", sums[ly])
             for layers in _layer_sets(n_layers, list(final_layers)):
                 mean = sg._mean_of_sums([sums[ly] for ly in layers], k * len(layers))
                 for detrend in (False, True):
@@ -512,7 +536,7 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs)
         scored = []
         for chunk in _dp_chunks(candidates, gold.shape[0]):
             stacked = torch.stack([m for _, m in chunk])  # [C, N, n, n]
-            pred = sg.optimal_segmentation(stacked, pen).cpu()  # [C, N, P, n]
+            pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
             f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
             for c, (params, _) in enumerate(chunk):
                 i = int(f1[c].argmax())
