@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +24,9 @@ from companion.sbm import (
     edge_attention,
     edge_probabilities,
     fastrg_sample,
+    poisson_pair_counts,
     sbm_parameters,
+    use_pair_grid,
 )
 
 DEVICES = [
@@ -90,8 +94,12 @@ def test_sbm_parameters_closed_form():
 # ---------------------------------------------------------------------------------------
 # fastRG sampler
 # ---------------------------------------------------------------------------------------
-KEY_DRAWS = ["rejection", "search"]
-CPU_UNIFORMS = ["numpy", "torch"]
+# the sampler's ways to the same law: fastRG's (query, key cluster) cells with either key
+# draw, or one count per (query, key) pair
+KEY_DRAWS = ["rejection", "search", "pairs"]
+# numpy uniforms with Poisson counts by inversion, numpy uniforms with torch.poisson (the
+# graphs of the first implementation), torch's generator throughout
+CPU_UNIFORMS = ["numpy", "numpy+torch.poisson", "torch"]
 SIGMA = 5.5  # Monte Carlo bound in standard errors: a false alarm is below 1e-6 per test
 
 
@@ -130,9 +138,13 @@ def _draw_counts(qm, s, km, reps, seed, **kwargs):
 
 
 def _tuning(key_draw, cpu_uniforms, device, **sizes):
-    if torch.device(device).type == "cuda" and cpu_uniforms == "numpy":
+    if torch.device(device).type == "cuda" and cpu_uniforms != "torch":
         pytest.skip("numpy uniforms are a CPU path")
-    return FastRGTuning(key_draw=key_draw, cpu_uniforms=cpu_uniforms, **sizes)
+    grid = {"cell_grid": "keys"} if key_draw == "pairs" else {"cell_grid": "clusters",
+                                                               "key_draw": key_draw}
+    source = {"cpu_uniforms": cpu_uniforms.split("+")[0],
+              "cpu_poisson": "torch" if cpu_uniforms.endswith("torch.poisson") else "inversion"}
+    return FastRGTuning(**grid, **source, **sizes)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +192,7 @@ def test_fastrg_large_n_counts_fit_poisson_P(dtype, key_draw, cpu_uniforms):
     stay within SIGMA standard deviations.  A per-pair bias of 1% (the defect of issue
     11 was 5%) moves the statistic by about 0.01^2 reps P N / sqrt(2 N) = 14 sigma."""
     n, m, k, reps = 256, 193, 16, 48
-    tuning = FastRGTuning(key_draw=key_draw, cpu_uniforms=cpu_uniforms)
+    tuning = _tuning(key_draw, cpu_uniforms, "cpu")
     qm, s, km, p = _issue_sbm(n, m, k, groups=1, seed=3, dtype=dtype)
     counts, _ = _draw_counts(qm, s, km, reps, seed=4, tuning=tuning)
     lam = reps * p[0]
@@ -214,7 +226,8 @@ def test_fastrg_single_group_calls_are_unbiased_and_read_only(dtype):
     assert abs(z) < SIGMA, (sum(sizes) / calls / total, z)
     # batched, with one group per table block: the same view, through another door
     reps = 300
-    one_group_blocks = FastRGTuning(table_block_entries=1, key_draw="rejection")
+    one_group_blocks = FastRGTuning(table_block_entries=1, key_draw="rejection",
+                                    cell_grid="clusters")
     counts, _ = _draw_counts(qm[None, None], s[None], km[None, None], reps, seed=7,
                              tuning=one_group_blocks)
     z = (counts.mean(0)[0] - p[0]) / (p[0] / reps).sqrt()
@@ -251,18 +264,21 @@ def test_fastrg_tuning_selects_the_key_draw_and_blocks_keep_the_law():
     skewed = km.clone()
     skewed[..., 0, :] = 100.0  # acceptance about 1/30 < 1/8
     gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    clusters = FastRGTuning(cell_grid="clusters")
     for keys, auto_takes, other in ((km, "rejection", "search"), (skewed, "search", "rejection")):
-        auto = fastrg_sample(qm, s, keys, gen())
-        forced = fastrg_sample(qm, s, keys, gen(), tuning=FastRGTuning(key_draw=auto_takes))
-        different = fastrg_sample(qm, s, keys, gen(), tuning=FastRGTuning(key_draw=other))
+        auto = fastrg_sample(qm, s, keys, gen(), tuning=clusters)
+        forced = fastrg_sample(qm, s, keys, gen(),
+                               tuning=replace(clusters, key_draw=auto_takes))
+        different = fastrg_sample(qm, s, keys, gen(), tuning=replace(clusters, key_draw=other))
         assert all(torch.equal(a, b) for a, b in zip(auto, forced))
         assert not torch.equal(auto[2], different[2])
     qm, s, km, p = _issue_sbm(6, 5, 3, groups=1, seed=12)
     reps = 3000
-    small = FastRGTuning(table_block_entries=500 * 5 * 3, draw_block=256)
-    counts, _ = _draw_counts(qm, s, km, reps, seed=13, tuning=small)
-    z = (counts.mean(0) - p) / (p / reps).sqrt()
-    assert float(z.abs().max()) < SIGMA, float(z.abs().max())
+    for grid in ("clusters", "keys"):  # several blocks of groups on both grids
+        small = FastRGTuning(table_block_entries=500 * 5 * 3, draw_block=256, cell_grid=grid)
+        counts, _ = _draw_counts(qm, s, km, reps, seed=13, tuning=small)
+        z = (counts.mean(0) - p) / (p / reps).sqrt()
+        assert float(z.abs().max()) < SIGMA, (grid, float(z.abs().max()))
 
 
 def test_fastrg_tuning_bad_input():
@@ -273,6 +289,10 @@ def test_fastrg_tuning_bad_input():
         ({"min_acceptance": 1.5}, "min_acceptance", ValueError),
         ({"min_acceptance": float("nan")}, "min_acceptance", ValueError),
         ({"cpu_uniforms": "cuda"}, "cpu_uniforms", ValueError),
+        ({"cpu_poisson": "numpy"}, "cpu_poisson", ValueError),
+        ({"cell_grid": "pairs"}, "cell_grid", ValueError),
+        ({"key_grid_max_entries": -1}, "key_grid_max_entries", ValueError),
+        ({"key_grid_pairs_per_edge": -1.0}, "key_grid_pairs_per_edge", ValueError),
     ):
         with pytest.raises(error, match=f"^{name}: expected"):
             FastRGTuning(**kwargs)
@@ -534,11 +554,16 @@ def test_edge_attention_bad_input():
 # ---------------------------------------------------------------------------------------
 # SBMAttention: straight-through estimator, density, regulariser
 # ---------------------------------------------------------------------------------------
+# the layer's two paths: dense pair counts (the default at these sizes) and edge lists
+LAYER_PATHS = {"pairs": FastRGTuning(), "edges": FastRGTuning(key_grid_max_entries=0)}
+
+
+@pytest.mark.parametrize("path", sorted(LAYER_PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("duplicates", ["merge", "keep"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_sbm_attention_ste_gradient_closed_form(device, duplicates, padded, dtype):
+def test_sbm_attention_ste_gradient_closed_form(device, duplicates, padded, dtype, path):
     """All parameter and input gradients of SBMAttention equal the closed form: dense
     attention with the sampled mask A (counts for "keep") as a leaf, grad_P =
     A * hardtanh(grad_A) (= hardtanh(A * grad_A) for a 0/1 mask), then back-propagation
@@ -549,7 +574,8 @@ def test_sbm_attention_ste_gradient_closed_form(device, duplicates, padded, dtyp
     graph), to float32 accuracy."""
     torch.manual_seed(20)
     B, H, n, m, d, kc = 2, 2, 7, 6, 4, 3
-    layer = SBMAttention(d, H, kc, duplicates=duplicates, device=device, dtype=dtype)
+    layer = SBMAttention(d, H, kc, duplicates=duplicates, tuning=LAYER_PATHS[path],
+                         device=device, dtype=dtype)
     q, k, v = (
         torch.randn(B, H, L, d, dtype=F64, device=device).to(dtype).requires_grad_()
         for L in (n, m, m)
@@ -598,6 +624,7 @@ def test_sbm_attention_ste_gradient_closed_form(device, duplicates, padded, dtyp
     qm, s, km = sbm_parameters(q, k, ref_layer.cluster_embeddings, ref_layer.mlp)
     if padded:
         qm, km = qm * qv[:, None, :, None], km * kv[:, None, :, None]
+    assert use_pair_grid(qm @ s, km, LAYER_PATHS[path]) == (path == "pairs")
     p = edge_probabilities(qm, s, km)
     surrogate = ref_loss + (grad_p * p).sum()
     expect = torch.autograd.grad(surrogate, ref_params)
@@ -717,3 +744,65 @@ def test_attention_unit_weight_is_bit_identical_to_multiplying_by_ones(dtype):
         results.append([out, *(t.grad for t in leaves), weight.grad])
     for plain, unit in zip(*results):
         assert torch.equal(plain, unit)
+
+
+@pytest.mark.parametrize("case", [(6, 5, 3, 1, 1.5, 6000), (23, 17, 4, 2, None, 3000)],
+                         ids=["tiny-P>1", "odd"])
+@pytest.mark.parametrize("cpu_uniforms", CPU_UNIFORMS)
+@pytest.mark.parametrize("key_draw", KEY_DRAWS)
+def test_fastrg_keep_counts_have_poisson_variance(key_draw, cpu_uniforms, case):
+    """Poisson law beyond the mean: with duplicates="keep" the per-pair sample variance
+    of the counts over ``reps`` graphs is P_ij (Poisson: variance = mean) within SIGMA
+    of its standard error sqrt((P + 2 P^2) / reps), and so is the variance of the total
+    edge count; on both grids, both key draws and every CPU random source."""
+    n, m, k, groups, p_max, reps = case
+    tuning = _tuning(key_draw, cpu_uniforms, "cpu")
+    qm, s, km, p = _issue_sbm(n, m, k, groups=groups, seed=31, p_max=p_max)
+    counts, _ = _draw_counts(qm, s, km, reps, seed=32, tuning=tuning)
+    var = counts.var(0)
+    z = (var - p) / ((p + 2 * p**2) / reps).sqrt()
+    assert float(z.abs().max()) < SIGMA, float(z.abs().max())
+    total, lam = counts.sum((2, 3)), p.sum((1, 2))
+    z_total = (total.var(0) - lam) / ((lam + 2 * lam**2) / reps).sqrt()
+    assert float(z_total.abs().max()) < SIGMA, z_total
+
+
+def test_poisson_by_inversion_mean_variance_and_stream():
+    """The inversion sampler alone: mean and variance equal the rate for rates from 0 to
+    500 (through the switch to numpy's sampler above 16), within SIGMA standard errors;
+    a zero rate never counts; the same seed gives the same counts."""
+    from companion.sbm.fastrg import _poisson_by_inversion
+
+    rates = np.array([0.0, 1e-3, 0.2, 0.9, 3.0, 15.9, 16.1, 40.0, 500.0])
+    reps = 20000
+    draw = lambda seed: _poisson_by_inversion(  # noqa: E731
+        np.repeat(rates, reps), np.random.Generator(np.random.PCG64(seed))
+    ).reshape(len(rates), reps)
+    counts = draw(3)
+    assert counts.dtype == np.int64 and not counts[0].any()
+    mean, var = counts.mean(1)[1:], counts.var(1, ddof=1)[1:]
+    lam = rates[1:]
+    assert np.abs((mean - lam) / np.sqrt(lam / reps)).max() < SIGMA
+    assert np.abs((var - lam) / np.sqrt((lam + 2 * lam**2) / reps)).max() < SIGMA
+    assert np.array_equal(draw(3), counts) and not np.array_equal(draw(4), counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n, m", [(7, 5), (1, 3), (12, 12)])
+def test_pair_counts_are_the_pair_grid_graph_and_reproducible(dtype, n, m):
+    """poisson_pair_counts and fastrg_sample on the pair grid read the same stream: the
+    counts are the multiplicities of the edge list drawn from the same seed (and merge
+    keeps each pair with a positive count once); the same seed gives the same graph."""
+    qm, s, km = (t.to(dtype) for t in _random_sbm(n, m, 3, heads=2, seed=4))
+    keys = FastRGTuning(cell_grid="keys")
+    gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    counts = poisson_pair_counts(qm, s, km, gen())
+    assert counts.shape == (1, 2, n, m) and counts.dtype == torch.int64
+    assert torch.equal(counts, poisson_pair_counts(qm, s, km, gen()))
+    edges = fastrg_sample(qm, s, km, gen(), tuning=keys)
+    assert torch.equal(_dense_count(edges, 2, n, m).reshape(counts.shape), counts)
+    merged = fastrg_sample(qm, s, km, gen(), tuning=keys, duplicates="merge")
+    assert torch.equal(_dense_count(merged, 2, n, m).reshape(counts.shape), counts.clamp(max=1))
+    assert use_pair_grid(qm @ s, km)  # dense enough: the default takes this grid
+    assert not use_pair_grid(qm @ s, km, FastRGTuning(key_grid_max_entries=2 * n * m - 1))
+    assert not use_pair_grid(qm @ s * 1e-3, km)  # too sparse: fastRG's cells

@@ -89,9 +89,11 @@ class MultiHeadAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             density = torch.ones(b, self.heads, dtype=x.dtype, device=x.device)
         else:
-            y, density, edges = self.sbm(q, k, v, query_valid=valid, key_valid=valid,
-                                         generator=generator, return_edges=True)
-            self.last_edges = edges if self.record else None
+            # the edge list only when recorded: the pair-grid path would build it for this
+            result = self.sbm(q, k, v, query_valid=valid, key_valid=valid,
+                              generator=generator, return_edges=self.record)
+            y, density = result[:2]
+            self.last_edges = result[2] if self.record else None
         y = y.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
         return self.out(y), density
 

@@ -23,11 +23,17 @@ import torch
 from companion._validate import check_int, check_tensor
 from companion.sbm.graph_attention import stable_argsort
 
-__all__ = ["fastrg_sample", "edge_probabilities", "FastRGTuning", "DUPLICATE_POLICIES"]
+__all__ = ["fastrg_sample", "poisson_pair_counts", "edge_probabilities", "FastRGTuning",
+           "DUPLICATE_POLICIES", "use_pair_grid"]
 
 DUPLICATE_POLICIES = ("merge", "keep")
 KEY_DRAWS = ("auto", "rejection", "search")
 CPU_UNIFORM_SOURCES = ("numpy", "torch")
+CELL_GRIDS = ("auto", "clusters", "keys")
+CPU_POISSON_SOURCES = ("inversion", "torch")
+# rates above this get numpy's own Poisson sampler (transformed rejection) instead of
+# inversion, whose number of passes grows with the rate
+_INVERSION_MAX_RATE = 16.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,24 @@ class FastRGTuning:
         On CPU, uniforms and index compaction from numpy's PCG64 (seeded by the torch
         generator; several times faster) or from torch's generator and kernels (the path
         CUDA always takes).
+    cpu_poisson : ``"inversion"`` (default) or ``"torch"``
+        With ``cpu_uniforms="numpy"``: the Poisson counts by inversion of PCG64 uniforms
+        (vectorised; rates above 16 from numpy's own Poisson sampler), or from
+        ``torch.poisson`` on the torch generator (a serial loop on CPU; the source of the
+        graphs before this option existed).  Ignored on the torch/CUDA path, which
+        always uses ``torch.poisson``.
+    cell_grid : ``"auto"`` (default), ``"clusters"`` or ``"keys"``
+        The cells that get Poisson counts.  ``"clusters"``: fastRG's (query, key
+        cluster) cells, then one key draw per edge; ``"keys"``: every (query, key) pair,
+        ``N_ij ~ Poisson(P_ij)`` with ``P = (Qhat S) Khat^T`` formed per block of groups
+        (no key draw, edges come sorted by ``(group, query, key)``; memory ``O(n m)``
+        per block); ``"auto"``: keys when the batch has at most
+        ``key_grid_max_entries`` pairs and at most ``key_grid_pairs_per_edge`` pairs per
+        expected edge (so its memory stays linear in the edges), else clusters.
+    key_grid_max_entries : int >= 0
+        The ``"auto"`` bound on the pairs of the batch (default ``2**20``).
+    key_grid_pairs_per_edge : float >= 0
+        The ``"auto"`` bound on pairs per expected edge (default 8: density >= 1/8).
     """
 
     table_block_entries: int = 1 << 22
@@ -63,10 +87,23 @@ class FastRGTuning:
     key_draw: str = "auto"
     min_acceptance: float = 1 / 8
     cpu_uniforms: str = "numpy"
+    cpu_poisson: str = "inversion"
+    cell_grid: str = "auto"
+    key_grid_max_entries: int = 1 << 20
+    key_grid_pairs_per_edge: float = 8.0
 
     def __post_init__(self):
         for name in ("table_block_entries", "draw_block"):
             check_int(name, getattr(self, name), minimum=1)
+        check_int("key_grid_max_entries", self.key_grid_max_entries, minimum=0)
+        ratio = self.key_grid_pairs_per_edge
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio >= 0:
+            raise ValueError(f"key_grid_pairs_per_edge: expected a float >= 0, got {ratio!r}")
+        for name, choices in (("cpu_poisson", CPU_POISSON_SOURCES), ("cell_grid", CELL_GRIDS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"{name}: expected one of {choices}, got {getattr(self, name)!r}"
+                )
         if self.key_draw not in KEY_DRAWS:
             raise ValueError(f"key_draw: expected one of {KEY_DRAWS}, got {self.key_draw!r}")
         accept = self.min_acceptance
@@ -207,7 +244,40 @@ def fastrg_sample(
     (True, True)
     """
     _check_options(duplicates, self_loops, generator, tuning)
-    qm, sg, km, _ = _groups(q_membership, s, k_membership)
+    qm, sg, km, _, q_times_s = _checked_groups(q_membership, s, k_membership, q_times_s)
+    num_groups, n, _ = qm.shape
+    m = km.shape[1]
+    if self_loops and n != m:
+        raise ValueError(f"self_loops: requires as many queries as keys, got n={n}, m={m}")
+    with torch.no_grad():
+        # views of the caller's tensors: nothing derived from them is written in place
+        qm, sg, km = qm.detach(), sg.detach(), km.detach()
+        draws = _RandomSource(qm.device, generator, tuning.cpu_uniforms, tuning.cpu_poisson)
+        q_times_s = _q_times_s(qm, sg, q_times_s)
+        k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
+        if _use_key_grid(q_times_s, k_mass, num_groups * n * m, tuning):
+            group, query, key = _key_grid_edges(q_times_s, km, draws, duplicates, tuning)
+            merged = duplicates == "merge"  # one edge per pair with a positive count
+        else:
+            # step 1: one Poisson count per cell (group, query, key cluster b); the cells
+            # in this order sort the edges by (group, query, b)
+            counts = draws.poisson(_cell_rates(q_times_s, k_mass).reshape(-1))
+            group, query = _cell_owners(counts, num_groups, n)
+            # step 2: the key of every edge, from its cell's key cluster
+            key = _draw_keys(km, counts, n, draws, tuning)
+            merged = False
+        if self_loops:
+            group, query, key = _append_self_loops(group, query, key, num_groups, n)
+            merged = False
+        if duplicates == "merge" and not merged:
+            group, query, key = _merge_duplicates(group, query, key, num_groups, n, m)
+    return group, query, key
+
+
+def _checked_groups(q_membership, s, k_membership, q_times_s):
+    """The inputs as ``[G, n, k]``, ``[G, k, k]``, ``[G, m, k]`` groups (and ``Qhat S``
+    as ``[G, n, k]`` when given), checked: shapes, nonnegative finite entries."""
+    qm, sg, km, batch_shape = _groups(q_membership, s, k_membership)
     if q_times_s is not None:
         if not isinstance(q_times_s, torch.Tensor) or q_times_s.shape != q_membership.shape:
             raise ValueError(
@@ -223,25 +293,55 @@ def fastrg_sample(
             raise ValueError(
                 f"{name}: expected nonnegative finite entries (found negative, NaN or inf)"
             )
+    return qm, sg, km, batch_shape, q_times_s
+
+
+def poisson_pair_counts(
+    q_membership: torch.Tensor,
+    s: torch.Tensor,
+    k_membership: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    tuning: FastRGTuning = DEFAULT_TUNING,
+    q_times_s: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``A ~ Poisson(P)`` as a dense count matrix: one count per (query, key) pair.
+
+    The key grid of :func:`fastrg_sample` (``FastRGTuning.cell_grid="keys"``) without
+    the edge list: for the same generator state and tuning, ``fastrg_sample(...,
+    tuning=replace(tuning, cell_grid="keys"))`` returns exactly the pairs with a positive
+    count here, each repeated by its count (``duplicates="keep"``).  For small or dense
+    graphs, where ``n m`` is within a small factor of the expected edges; the arguments
+    are those of :func:`fastrg_sample`.
+
+    Returns
+    -------
+    counts : int64, ``[n, m]`` or ``[B, H, n, m]``.
+
+    Complexity
+    ----------
+    Time and memory ``O(G n m + G n k^2)`` (one GEMM forms ``P`` per block of groups).
+
+    Examples
+    --------
+    >>> qm, km = torch.full((5, 2), 0.5), torch.full((7, 2), 0.5)
+    >>> counts = poisson_pair_counts(qm, torch.full((2, 2), 0.25), km,
+    ...                              torch.Generator().manual_seed(0))
+    >>> counts.shape, counts.dtype
+    (torch.Size([5, 7]), torch.int64)
+    """
+    _check_options("keep", False, generator, tuning)
+    qm, sg, km, batch_shape, q_times_s = _checked_groups(
+        q_membership, s, k_membership, q_times_s)
     num_groups, n, _ = qm.shape
     m = km.shape[1]
-    if self_loops and n != m:
-        raise ValueError(f"self_loops: requires as many queries as keys, got n={n}, m={m}")
     with torch.no_grad():
-        # views of the caller's tensors: nothing derived from them is written in place
         qm, sg, km = qm.detach(), sg.detach(), km.detach()
-        draws = _RandomSource(qm.device, generator, tuning.cpu_uniforms)
-        # step 1: one Poisson count per cell (group, query, key cluster b); the cells in
-        # this order sort the edges by (group, query, b)
-        counts = draws.poisson(_cell_rates(qm, sg, km, q_times_s).reshape(-1))
-        group, query = _cell_owners(counts, num_groups, n)
-        # step 2: the key of every edge, from its cell's key cluster
-        key = _draw_keys(km, counts, n, draws, tuning)
-        if self_loops:
-            group, query, key = _append_self_loops(group, query, key, num_groups, n)
-        if duplicates == "merge":
-            group, query, key = _merge_duplicates(group, query, key, num_groups, n, m)
-    return group, query, key
+        draws = _RandomSource(qm.device, generator, tuning.cpu_uniforms, tuning.cpu_poisson)
+        q_times_s = _q_times_s(qm, sg, q_times_s)
+        blocks = list(_key_grid_blocks(q_times_s, km, draws, tuning))
+        counts = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return counts.reshape(*batch_shape, n, m)
 
 
 def _check_options(duplicates, self_loops, generator, tuning) -> None:
@@ -260,21 +360,93 @@ def _check_options(duplicates, self_loops, generator, tuning) -> None:
         )
 
 
-def _cell_rates(qm: torch.Tensor, sg: torch.Tensor, km: torch.Tensor,
-                q_times_s: torch.Tensor | None = None) -> torch.Tensor:
-    """``[G, n, k]`` float64: the expected number of edges with query ``i`` whose key
-    comes from cluster ``b``, ``(Qhat S)_ib colsum_b(Khat)`` (one GEMM in the inputs'
-    precision, skipped when ``q_times_s`` holds it in that precision, then float64 for
-    the Poisson rates; no float64 copy of the memberships)."""
+def _q_times_s(qm: torch.Tensor, sg: torch.Tensor,
+               q_times_s: torch.Tensor | None = None) -> torch.Tensor:
+    """``Qhat S`` ``[G, n, k]`` in the sampler's precision (float32 or wider, as the
+    memberships): the caller's when it is in that precision, else one GEMM."""
     work = torch.promote_types(qm.dtype, torch.float32)
-    k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
     if q_times_s is None or q_times_s.dtype != work:
         q_times_s = torch.bmm(qm.to(work), sg.to(work))
+    return q_times_s
+
+
+def _cell_rates(q_times_s: torch.Tensor, k_mass: torch.Tensor) -> torch.Tensor:
+    """``[G, n, k]`` float64: the expected number of edges with query ``i`` whose key
+    comes from cluster ``b``, ``(Qhat S)_ib colsum_b(Khat)`` (float64 for the Poisson
+    rates; no float64 copy of the memberships)."""
     # out of place: for float64 input ``.to(float64)`` is the caller's tensor itself
     rates = torch.mul(q_times_s.to(torch.float64), k_mass[:, None, :])
     if not bool(torch.isfinite(rates.sum()).all()):
         raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
     return rates
+
+
+def use_pair_grid(q_times_s: torch.Tensor, k_membership: torch.Tensor,
+                  tuning: FastRGTuning = DEFAULT_TUNING) -> bool:
+    """Whether :func:`fastrg_sample` with ``tuning`` counts edges per (query, key) pair
+    (the key grid, :func:`poisson_pair_counts`) for memberships whose ``Qhat S`` is
+    ``q_times_s`` (``[n, k]`` or ``[B, H, n, k]``) and keys ``k_membership``.
+
+    >>> use_pair_grid(torch.full((5, 2), 0.25), torch.full((7, 2), 0.5))
+    True
+    """
+    if q_times_s.dim() == 2:
+        q_times_s, k_membership = q_times_s[None], k_membership[None]
+    qs = q_times_s.reshape(-1, *q_times_s.shape[-2:])
+    km = k_membership.reshape(-1, *k_membership.shape[-2:])
+    pairs = qs.shape[0] * qs.shape[1] * km.shape[1]
+    with torch.no_grad():
+        return _use_key_grid(qs, km.sum(1, dtype=torch.float64), pairs, tuning)
+
+
+def _use_key_grid(q_times_s: torch.Tensor, k_mass: torch.Tensor, pairs: int,
+                  tuning: FastRGTuning) -> bool:
+    """Whether to count edges per (query, key) pair (see ``FastRGTuning.cell_grid``)."""
+    if tuning.cell_grid != "auto":
+        return tuning.cell_grid == "keys"
+    if pairs > tuning.key_grid_max_entries:
+        return False
+    # sum P = sum_b colsum_b(Qhat S) colsum_b(Khat), without forming P
+    expected = float((q_times_s.sum(1, dtype=torch.float64) * k_mass).sum())
+    return pairs <= tuning.key_grid_pairs_per_edge * expected
+
+
+def _key_grid_blocks(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSource,
+                     tuning: FastRGTuning):
+    """Per block of groups (``tuning.table_block_entries`` pairs, at least one group):
+    the flat int64 counts ``N_ij ~ Poisson(P_ij)`` of its pairs in (group, query, key)
+    order, with ``P = (Qhat S) Khat^T`` formed for that block only."""
+    num_groups, n, _ = q_times_s.shape
+    m = km.shape[1]
+    groups_per_block = max(1, tuning.table_block_entries // (n * m))
+    work = q_times_s.dtype
+    for g0 in range(0, num_groups, groups_per_block):
+        g1 = min(g0 + groups_per_block, num_groups)
+        p = torch.bmm(q_times_s[g0:g1], km[g0:g1].to(work).transpose(1, 2)).reshape(-1)
+        p = p.to(torch.float64)
+        if not bool(torch.isfinite(p.sum())):
+            raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
+        yield draws.poisson(p)
+
+
+def _key_grid_edges(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSource,
+                    duplicates: str, tuning: FastRGTuning):
+    """Edges from one Poisson count per (group, query, key) pair
+    (:func:`_key_grid_blocks`): sorted by (group, query, key); with ``"merge"`` each
+    pair with a positive count gives one edge."""
+    num_groups, n, _ = q_times_s.shape
+    m = km.shape[1]
+    pieces, offset = [], 0
+    for counts in _key_grid_blocks(q_times_s, km, draws, tuning):
+        pair = draws.nonzero(counts > 0)
+        if duplicates == "keep":
+            pair = pair.repeat_interleave(counts[pair])
+        pieces.append(pair + offset)
+        offset += counts.numel()
+    pair = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    key = pair % m
+    row = torch.div(pair, m, rounding_mode="floor")
+    return torch.div(row, n, rounding_mode="floor"), row % n, key
 
 
 def _cell_owners(counts: torch.Tensor, num_groups: int, n: int):
@@ -386,16 +558,20 @@ class _RandomSource:
     ``torch.Generator`` (or torch's global one), so a graph stays reproducible from the
     torch seed; here numpy's generator is about three times faster than torch's CPU
     Mersenne Twister, and ``np.flatnonzero`` about nine times faster than
-    ``torch.nonzero``, the two costs that dominated the key draws.  Otherwise (CUDA, or
-    ``cpu_uniforms="torch"``) torch's own generator and kernels are used.
+    ``torch.nonzero``, the two costs that dominated the key draws.  The Poisson counts
+    then come by inversion of the same stream (:func:`_poisson_by_inversion`) unless
+    ``cpu_poisson="torch"``.  Otherwise (CUDA, or ``cpu_uniforms="torch"``) torch's own
+    generator and kernels are used.
     """
 
-    def __init__(self, device: torch.device, generator: torch.Generator | None, cpu_uniforms: str):
+    def __init__(self, device: torch.device, generator: torch.Generator | None,
+                 cpu_uniforms: str, cpu_poisson: str = "inversion"):
         self.device, self.generator = device, generator
         self.rng = None
         if device.type == "cpu" and cpu_uniforms == "numpy":
             seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
             self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.inversion = self.rng is not None and cpu_poisson == "inversion"
 
     def uniform(self, size: int) -> torch.Tensor:
         """``size`` float64 uniforms in ``[0, 1)``."""
@@ -410,11 +586,54 @@ class _RandomSource:
         return torch.nonzero(mask).squeeze(1)
 
     def poisson(self, rates: torch.Tensor) -> torch.Tensor:
-        """Independent ``Poisson(rates)`` counts (int64) for a 1-D float64 tensor.
-
-        torch's sampler on every device: a vectorised inversion with numpy's uniforms was
-        no faster here for the small rates fastRG's cells have."""
+        """Independent ``Poisson(rates)`` counts (int64) for a 1-D float64 tensor."""
+        if self.inversion:
+            return torch.from_numpy(_poisson_by_inversion(rates.numpy(), self.rng))
         return torch.poisson(rates, generator=self.generator).to(torch.int64)
+
+
+def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Independent ``Poisson(rates)`` counts (int64) from one PCG64 uniform per rate.
+
+    Inversion: the count is the least ``c`` with ``u < F(c) = sum_{i <= c} e^{-r}
+    r^i / i!``, found by subtracting the terms from ``u`` one pass at a time over the
+    rates still undecided.  ``e^{-r} >= 1 - r`` decides most zero counts of small rates
+    without an exponential (``u < 1 - r``).  Rates above 16 (many passes) take numpy's
+    own sampler instead, after the uniforms, so the stream stays in a fixed order.
+    Exact up to float64 rounding of ``F`` (about ``1e-16`` in probability).
+
+    >>> rng = np.random.Generator(np.random.PCG64(0))
+    >>> _poisson_by_inversion(np.array([0.0, 0.5, 40.0]), rng).dtype
+    dtype('int64')
+    """
+    counts = np.zeros(rates.size, dtype=np.int64)
+    u = rng.random(rates.size)
+    large = rates > _INVERSION_MAX_RATE
+    has_large = bool(large.any())
+    candidate = u >= 1.0 - rates  # u < 1 - r <= e^{-r}: count 0
+    if has_large:
+        candidate &= ~large
+    live = np.flatnonzero(candidate)
+    del candidate
+    r = rates.take(live)
+    term = np.exp(-r)
+    rest = u.take(live) - term  # u - F(0)
+    passes = 0
+    while live.size:
+        keep = np.flatnonzero(rest >= 0)  # u >= F(c): the count is above c
+        # take with indices: several times faster than four boolean-mask selections
+        live, r, term, rest = live.take(keep), r.take(keep), term.take(keep), rest.take(keep)
+        passes += 1
+        counts[live] = passes
+        # guards a u in the last rounding gap below the float64 F(inf)
+        if passes > 16 * _INVERSION_MAX_RATE:
+            break
+        term *= r
+        term /= passes
+        rest -= term
+    if has_large:
+        counts[large] = rng.poisson(rates[large])
+    return counts
 
 
 def _append_self_loops(group, query, key, num_groups, n):

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from companion._validate import check_int, check_tensor
-from companion.sbm.fastrg import DUPLICATE_POLICIES, fastrg_sample
+from companion.sbm.fastrg import (DEFAULT_TUNING, DUPLICATE_POLICIES, FastRGTuning,
+                                  fastrg_sample, poisson_pair_counts, use_pair_grid)
 from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
 
 __all__ = ["sbm_parameters", "SBMAttention", "density_regularizer"]
@@ -138,6 +139,76 @@ class _StraightThroughMask(torch.autograd.Function):
         return grad_qs, grad_km, None
 
 
+class _DenseStraightThrough(torch.autograd.Function):
+    """The straight-through estimator on a dense count matrix ``C`` ``[G, n, m]`` (the
+    pair-grid path): forward returns ``C`` (the weights of the pairs; a pair drawn ``c``
+    times is ``c`` copies of weight one), backward ``grad_P = C * hardtanh(grad_C)``
+    (each copy passes ``hardtanh`` of its own gradient, which is the same for all copies
+    of a pair), routed to ``P = (Qhat S) Khat^T`` by two GEMMs."""
+
+    @staticmethod
+    def forward(ctx, qs, km, counts):
+        ctx.save_for_backward(qs, km, counts)
+        return counts
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_counts):
+        qs, km, counts = ctx.saved_tensors
+        grad_p = torch.nn.functional.hardtanh(grad_counts).mul_(counts).to(qs.dtype)
+        grad_qs = grad_km = None
+        if ctx.needs_input_grad[0]:
+            grad_qs = torch.bmm(grad_p, km)
+        if ctx.needs_input_grad[1]:
+            grad_km = torch.bmm(grad_p.transpose(1, 2), qs)
+        return grad_qs, grad_km, None
+
+
+class _CountAttention(torch.autograd.Function):
+    """Softmax attention of ``[G, n, d]`` queries over ``[G, m, d]`` keys with pair
+    weights ``w`` ``[G, n, m]``: ``a_ij = w_ij exp(s_ij) / sum_j w_ij exp(s_ij)``, the
+    edge attention of the multigraph with ``w_ij`` copies of pair ``(i, j)``; a query
+    without a pair gets a zero row.  The same quantities as :func:`edge_attention`'s
+    forward and backward (``u``, ``a``, the per-row correction ``<dout_i, out_i>``),
+    with dense GEMMs in float32 or wider.
+
+    ``absent_bias`` is ``-1e30`` where ``w_ij = 0`` and 0 elsewhere, so that the row
+    maximum is taken over the present pairs, as the edge path does (a boolean mask is
+    several times slower here than the fused add).  Exponents are clamped at -80: the
+    exponential's subnormal range is about ten times slower, and ``exp(-80) < 2e-35``
+    is far below the row's largest term ``exp(0) = 1``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, weights, absent_bias, scale):
+        acc = weights.dtype
+        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+        u = torch.baddbmm(absent_bias, qa, ka.transpose(1, 2), alpha=scale)
+        u.sub_(u.amax(-1, keepdim=True)).clamp_(min=-80.0).exp_()
+        total = torch.mul(u, weights).sum(-1, keepdim=True)
+        inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        u.mul_(inv)  # u_ij = exp(s_ij - max) / Z_i,  a_ij = w_ij u_ij
+        attn = u * weights
+        out = torch.bmm(attn, va)
+        ctx.save_for_backward(qa, ka, va, weights, u, attn, out)
+        ctx.scale, ctx.dtypes = scale, (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        qa, ka, va, weights, u, attn, out = ctx.saved_tensors
+        go = grad_out.to(u.dtype)
+        grad_v = torch.bmm(attn.transpose(1, 2), go)
+        # dL/dw_ij = u_ij (<dout_i, v_j> - <dout_i, out_i>)
+        grad_w = torch.bmm(go, va.transpose(1, 2))
+        grad_w.sub_((go * out).sum(-1, keepdim=True)).mul_(u)
+        grad_s = grad_w * weights  # dL/ds_ij / scale
+        grad_q = torch.bmm(grad_s, ka).mul_(ctx.scale)
+        grad_k = torch.bmm(grad_s.transpose(1, 2), qa).mul_(ctx.scale)
+        dq, dk, dv = ctx.dtypes
+        return grad_q.to(dq), grad_k.to(dk), grad_v.to(dv), grad_w, None, None
+
+
 class SBMAttention(nn.Module):
     """One SBM-Transformer attention layer over ``num_heads`` heads (the full head).
 
@@ -160,6 +231,13 @@ class SBMAttention(nn.Module):
         with ``"merge"`` ``A`` is 0/1 and the rule is exactly ``hardtanh(A * grad_A)``.
     self_loops : forwarded to :func:`fastrg_sample`; the forced loops are part of ``A``
         and the STE passes gradient through them too.
+    tuning : :class:`companion.sbm.FastRGTuning` of the sampler.  When it counts edges
+        per (query, key) pair (:func:`companion.sbm.fastrg.use_pair_grid`: small and
+        dense graphs, ``n m`` within a small factor of the expected edges) the layer
+        keeps the counts as a dense ``[n, m]`` weight matrix and attends with dense
+        GEMMs (the same graph as the edge list of that tuning, the same law, the same
+        straight-through rule; equal to the edge path up to float rounding), else on
+        the sampled edge list.
     device, dtype : for the parameters.
 
     Complexity
@@ -185,10 +263,14 @@ class SBMAttention(nn.Module):
         *,
         duplicates: str = "keep",
         self_loops: bool = False,
+        tuning: FastRGTuning = DEFAULT_TUNING,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        if not isinstance(tuning, FastRGTuning):
+            raise TypeError(f"tuning: expected a FastRGTuning, got {type(tuning).__name__}")
+        self.tuning = tuning
         sizes = (("head_dim", head_dim), ("num_heads", num_heads), ("num_clusters", num_clusters))
         for name, val in sizes:
             check_int(name, val, minimum=1)
@@ -265,6 +347,13 @@ class SBMAttention(nn.Module):
         if key_valid is not None:
             k_membership = k_membership * key_valid[:, None, :, None].to(k_membership.dtype)
         qs = q_membership @ s  # [B, H, n, k]: the STE's factor, and the sampler's GEMM
+        if v.shape[:3] != (q.shape[0], q.shape[1], k.shape[2]):
+            raise ValueError(f"v: expected [{q.shape[0]}, {q.shape[1]}, {k.shape[2]}, d_v], "
+                             f"got {tuple(v.shape)}")
+        if use_pair_grid(qs.detach(), k_membership.detach(), self.tuning):
+            return self._forward_pairs(q, k, v, q_membership, s, k_membership, qs,
+                                       query_valid, key_valid, valid_counts, generator,
+                                       return_edges)
         edges = fastrg_sample(
             q_membership.detach(),
             s.detach(),
@@ -272,6 +361,7 @@ class SBMAttention(nn.Module):
             generator,
             duplicates=self.duplicates,
             self_loops=self.self_loops,
+            tuning=self.tuning,
             q_times_s=qs.detach(),
         )
         batch, heads, n = q.shape[:3]
@@ -293,8 +383,6 @@ class SBMAttention(nn.Module):
         mask = _StraightThroughMask.apply(
             qs.reshape(num_groups * n, -1), k_membership.reshape(num_groups * m, -1), graph
         )
-        if v.shape[:3] != (batch, heads, m):
-            raise ValueError(f"v: expected [{batch}, {heads}, {m}, d_v], got {tuple(v.shape)}")
         out = attention_on_graph(
             q.reshape(num_groups * n, -1),
             k.reshape(num_groups * m, -1),
@@ -311,6 +399,48 @@ class SBMAttention(nn.Module):
         if return_edges:
             return out, density, edges
         return out, density
+
+    def _forward_pairs(self, q, k, v, q_membership, s, k_membership, qs, query_valid,
+                       key_valid, valid_counts, generator, return_edges):
+        """:meth:`forward` on the pair grid: the sampled counts as a dense weight matrix."""
+        batch, heads, n = q.shape[:3]
+        m = k.shape[2]
+        num_groups = batch * heads
+        counts = poisson_pair_counts(q_membership.detach(), s.detach(), k_membership.detach(),
+                                     generator, tuning=self.tuning, q_times_s=qs.detach())
+        if self.self_loops:
+            if n != m:
+                raise ValueError(
+                    f"self_loops: requires as many queries as keys, got n={n}, m={m}")
+            loops = torch.eye(n, dtype=torch.bool, device=q.device).expand(batch, n, n)
+            if query_valid is not None:  # no forced loop at a padded position
+                loops = loops & query_valid[:, :, None]
+            if key_valid is not None:
+                loops = loops & key_valid[:, None, :]
+            counts = counts + loops[:, None].to(counts.dtype)
+        if self.duplicates == "merge":
+            counts = counts.clamp_(max=1)
+        counts = counts.reshape(num_groups, n, m)
+        qs2 = qs.reshape(num_groups, n, -1)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        weights = counts.to(acc)
+        absent_bias = weights.clamp(max=1.0).sub_(1.0).mul_(1e30)  # -1e30 or 0
+        weights = _DenseStraightThrough.apply(
+            qs2, k_membership.reshape(num_groups, m, -1), weights)
+        out = _CountAttention.apply(
+            q.reshape(num_groups, n, -1), k.reshape(num_groups, m, -1),
+            v.reshape(num_groups, m, -1), weights, absent_bias, 1.0 / math.sqrt(self.head_dim),
+        ).reshape(batch, heads, n, -1)
+        pairs = (valid_counts[0] * valid_counts[1]).clamp(min=1).to(qs2.dtype)  # [B]
+        density = weights.sum((1, 2)).to(qs2.dtype).reshape(batch, heads) / pairs[:, None]
+        if not return_edges:
+            return out, density
+        flat = counts.reshape(-1)
+        pair = torch.nonzero(flat).squeeze(1)
+        pair = pair.repeat_interleave(flat[pair])
+        row = torch.div(pair, m, rounding_mode="floor")
+        edges = (torch.div(row, n, rounding_mode="floor"), row % n, pair % m)
+        return out, density, edges
 
 
 def density_regularizer(
