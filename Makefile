@@ -100,7 +100,7 @@ pdf: setup latex
 	@echo "pdf: book/_build/latex/book.pdf"
 
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile -q
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q
 
 bench: setup
 	@mkdir -p benchmarks/results

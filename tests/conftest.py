@@ -1,4 +1,5 @@
-"""Shared fixtures: a throw-away book project built around the real configuration."""
+"""Shared fixtures: a throw-away book project built around the real configuration, and the
+smoke book: one project with every real chapter, shared by all test processes of a run."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_CHAPTERS = Path(__file__).parent / "fixtures" / "chapters"
+CHAPTERS = sorted(p.stem for p in (REPO / "chapters").glob("*.md"))
+
+# Test files that take longest, run first (with `make test`'s --no-loadscope-reorder the
+# xdist workers take files in collection order): the chapters' smoke runs and the book
+# they make, then the files of many runs and processes. The other files keep their order.
+SLOW_FILES_FIRST = ("test_chapters_smoke.py", "test_smoke_book.py", "test_runner.py",
+                    "test_portable_notebook.py", "test_lra_training.py",
+                    "test_pages_and_book.py", "test_context_similarity.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return SLOW_FILES_FIRST.index(name) if name in SLOW_FILES_FIRST else len(SLOW_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file and among the rest is kept
 
 
 def toc_yaml(chapters: list[str]) -> str:
@@ -79,3 +96,45 @@ def require_browser():
 
 def mathjax_available() -> bool:
     return (REPO / "book" / "_static" / "mathjax" / "tex-chtml.js").exists()
+
+
+def _run_shared_folder(tmp_path_factory) -> Path:
+    """A folder all processes of this pytest run see: the parent of the xdist workers'
+    base folders, or the base folder of a run without workers."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def smoke_book(tmp_path_factory):
+    """The project of every real chapter, made once per pytest run and shared by the
+    workers: each chapter runs in it once at smoke scale (:func:`run_smoke`), whichever
+    test asks first; later asks wait for that run (the runner's chapter lock) and get it
+    from the cache."""
+    import filelock
+
+    from companion.book.runner import Project
+
+    shared = _run_shared_folder(tmp_path_factory)
+    root = shared / "smoke-book"
+    with filelock.FileLock(str(shared / "smoke-book.lock")):
+        if not (root / "_toc.yml").exists():  # make_project writes the toc last
+            make_project(root, {name: REPO / "chapters" / f"{name}.md" for name in CHAPTERS})
+    return Project(root)
+
+
+def run_smoke(project, name: str):
+    """Run chapter ``name`` of the smoke book at smoke scale on the CPU, or wait for the
+    run another test started, and return its result; fail with the log if it failed.
+
+    The project is new in each pytest run, so a "cached" result is a good run of this
+    pytest run, made by another test (maybe in another worker).
+    """
+    from companion.book import runner
+
+    lines: list[str] = []
+    result = runner.run_chapter(project, name, scale="smoke", device="cpu",
+                                echo=lines.append)
+    assert result.status in ("ok", "cached"), f"{name}: {result.error}\n" + "\n".join(lines)
+    assert result.record["status"] == "ok" and result.record["parameters"]["scale"] == "smoke"
+    return result

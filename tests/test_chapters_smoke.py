@@ -1,9 +1,12 @@
-"""Every real chapter executes at smoke scale, and the book they make passes the browser check.
+"""Every real chapter executes at smoke scale, and a second run with the same seed gives
+the same bytes.
 
-This is the end-to-end test of the book: the chapters of ``chapters/`` are run by the
-runner into a throw-away copy of the project, then the HTML book is built with warnings
-as errors and every page is opened in headless Chromium. One chapter is run a second
-time, into a second project with the same seed, and must give the same bytes.
+This is the end-to-end test of the chapters: the chapters of ``chapters/`` are run by the
+runner into the smoke book, a throw-away copy of the project shared by the test processes
+(``conftest.smoke_book``: each chapter runs once per pytest run, and
+tests/test_smoke_book.py builds and checks the HTML book from the same runs). One chapter
+is run a second time, into a second project with the same seed, and must give the same
+bytes.
 """
 from __future__ import annotations
 
@@ -13,11 +16,7 @@ from pathlib import Path
 import pytest
 
 from companion.book import runner
-from companion.book.htmlcheck import check_book
-from conftest import REPO, make_project, mathjax_available, require_browser
-
-CHAPTERS = sorted(p.stem for p in (REPO / "chapters").glob("*.md"))
-RESULTS: dict[str, runner.RunResult] = {}
+from conftest import CHAPTERS, REPO, make_project, run_smoke
 
 
 def test_every_toc_chapter_has_a_source():
@@ -25,13 +24,6 @@ def test_every_toc_chapter_has_a_source():
     assert toc, "the table of contents lists chapters"
     missing = [n for n in toc if n not in CHAPTERS]
     assert not missing, f"chapters listed in _toc.yml without chapters/<name>.md: {missing}"
-
-
-@pytest.fixture(scope="module")
-def smoke_project(tmp_path_factory):
-    root = make_project(tmp_path_factory.mktemp("smoke") / "book",
-                        {name: REPO / "chapters" / f"{name}.md" for name in CHAPTERS})
-    return runner.Project(root)
 
 
 # figures the prose of a chapter refers to by number, checked at smoke scale too
@@ -43,26 +35,14 @@ EXPECTED_FIGURES = {
 
 
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_chapter_executes_at_smoke_scale(smoke_project, name):
-    lines: list[str] = []
-    result = runner.run_chapter(smoke_project, name, scale="smoke", device="cpu",
-                                echo=lines.append)
-    RESULTS[name] = result
-    assert result.status == "ok", f"{name}: {result.error}\n" + "\n".join(lines)
-    assets = smoke_project.assets(name)
+def test_chapter_executes_at_smoke_scale(smoke_book, name):
+    run_smoke(smoke_book, name)
+    assets = smoke_book.assets(name)
     figures = {p.stem for p in (assets / "figures").glob("*.png")}
     assert figures, f"{name} saved no figure"
     missing = EXPECTED_FIGURES.get(name, set()) - figures
     assert not missing, f"{name} did not save {sorted(missing)}"
     assert list((assets / "claims").glob("*.json")), f"{name} recorded no claim"
-
-
-def _run_once(project: runner.Project, name: str) -> runner.RunResult:
-    """The result of ``name`` in the module's smoke project (run now when -k left it out)."""
-    if name not in RESULTS:
-        RESULTS[name] = runner.run_chapter(project, name, scale="smoke", device="cpu",
-                                           echo=lambda _l: None)
-    return RESULTS[name]
 
 
 # The chapter run twice: gradient_flow is the fastest chapter at smoke scale (12 s alone,
@@ -103,11 +83,10 @@ def _assert_no_embedded_date(path: Path) -> None:
             assert marker not in data, f"{path.name} embeds a date ({marker.decode()})"
 
 
-def test_same_seed_gives_same_bytes(smoke_project, tmp_path_factory):
+def test_same_seed_gives_same_bytes(smoke_book, tmp_path_factory):
     """Two smoke runs with one seed: identical tables, claims and figure files."""
     name = REPEATED_CHAPTER
-    first = _run_once(smoke_project, name)
-    assert first.status == "ok", first.error
+    first = run_smoke(smoke_book, name)
     seed = first.record["parameters"]["seed"]
     second_project = runner.Project(make_project(
         tmp_path_factory.mktemp("repeat") / "book", {name: REPO / "chapters" / f"{name}.md"}))
@@ -116,7 +95,7 @@ def test_same_seed_gives_same_bytes(smoke_project, tmp_path_factory):
     assert second.status == "ok", second.error
     assert second.record["parameters"] == first.record["parameters"]
 
-    a = _output_files(smoke_project.assets(name))
+    a = _output_files(smoke_book.assets(name))
     b = _output_files(second_project.assets(name))
     assert sorted(a) == sorted(b), "the two runs saved different files"
     kinds = {"table": (".csv", ".md"), "figure": (".png", ".svg", ".pdf")}
@@ -139,14 +118,3 @@ def test_same_seed_gives_same_bytes(smoke_project, tmp_path_factory):
     sidecars = [rel for rel in a if rel.endswith(".json")]
     differ = [rel for rel in sidecars if _record(a[rel]) != _record(b[rel])]
     assert not differ, f"same seed, different records: {differ}"
-
-
-@pytest.mark.skipif(not mathjax_available(), reason="local MathJax missing: run make setup")
-def test_smoke_book_builds_and_every_page_passes_browser_check(smoke_project):
-    require_browser()
-    for name in CHAPTERS:
-        _run_once(smoke_project, name)  # run alone (-k): execute what is missing
-    runner.build_html(smoke_project, echo=lambda _l: None)
-    report = check_book(smoke_project, smoke_project.build_dir / "html")
-    assert report.ok, report.summary()
-    assert len(report.pages) == len(CHAPTERS) + 4

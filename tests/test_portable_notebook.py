@@ -74,20 +74,17 @@ def _probe(python: Path, cwd: Path, env: dict) -> dict:
     return json.loads(out)
 
 
-def test_downloaded_notebook_runs_in_a_fresh_virtualenv(tmp_path, monkeypatch):
+def test_downloaded_notebook_runs_in_a_fresh_virtualenv(smoke_book, tmp_path, monkeypatch):
     import nbclient
     import nbformat
-    from conftest import make_project
+    from conftest import run_smoke
 
-    # 1. The runner makes the notebook, as for the book.
-    project = runner.Project(make_project(tmp_path / "book-project",
-                                          {CHAPTER: REPO / "chapters" / f"{CHAPTER}.md"}))
-    result = runner.run_chapter(project, CHAPTER, scale="smoke", device="cpu",
-                                echo=lambda _line: None)
-    assert result.status == "ok", result.error
+    # 1. The runner makes the notebook, as for the book: the smoke book's run of the
+    # chapter (made once per pytest run, shared with tests/test_chapters_smoke.py).
+    run_smoke(smoke_book, CHAPTER)
     downloaded = tmp_path / "downloads" / f"{CHAPTER}.ipynb"
     downloaded.parent.mkdir()
-    shutil.copy(project.notebook(CHAPTER), downloaded)
+    shutil.copy(smoke_book.notebook(CHAPTER), downloaded)
 
     # 2. A reader's machine: a fresh virtualenv outside the clone, companion not importable.
     python = _fresh_venv(tmp_path / "fresh-venv")
