@@ -29,6 +29,15 @@ were up to ten times slower in trials.
 A second sweep times the sampler alone at a fixed expected edge count while n grows,
 to show that its cost follows edges + n k, not n^2.
 
+A third part times one training step (forward, backward, AdamW) of the chapter's LRA
+model at ci scale (Pathfinder: batch 32, n = 100, 2 layers, 2 heads, d 32, k = 32
+clusters) with SBM attention against the same model with dense SDPA attention, and the
+SBM step with the sampler tuning of the first implementation (fastRG's cluster cells,
+``torch.poisson`` counts, edge-list attention), interleaved in one process (ratios of
+medians).  The attention rows also report the edge path's time per edge against the
+memory-bandwidth bound of gathering one key and one value row per edge (``2 d`` float32
+per edge and head, at the bandwidth of a large tensor copy measured in the same worker).
+
 Run: ``.venv/bin/python benchmarks/bench_sbm.py [--quick]``; writes
 ``benchmarks/results/sbm.json`` and ``sbm.md`` and prints the table.
 """
@@ -183,6 +192,9 @@ def job(n: int, density: float, method: str, mode: str, budget_s: float, seed: i
             attention_s=call_seconds(info["attend"], repeats=repeats, warmup=0),
             edges_per_head=info["edges_per_head"],
         )
+        edges = out["edges_per_head"] * HEADS
+        out["ns_per_edge"] = 1e9 * out["time_s"] / max(edges, 1)
+        out["attention_ns_per_edge"] = 1e9 * out["attention_s"] / max(edges, 1)
     return out
 
 
@@ -221,6 +233,68 @@ def sampler_worker(n: int, edges: int, seed: int) -> dict:
     }
 
 
+def step_worker(repeats: int = 15, seed: int = 0) -> dict:
+    """One training step of the ci-scale LRA model: SBM (default tuning), SBM with the
+    first implementation's sampler tuning, dense SDPA; interleaved, medians."""
+    import torch
+
+    from companion.lra.model import LRAClassifier
+    from companion.sbm import FastRGTuning, density_regularizer
+
+    batch, n, clusters = 32, 100, 32
+    torch.set_num_threads(THREADS)
+    tokens = torch.randint(0, 3, (batch, n), generator=torch.Generator().manual_seed(seed))
+    labels = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(seed + 1))
+    first_tuning = FastRGTuning(cell_grid="clusters", cpu_poisson="torch",
+                                key_grid_max_entries=0)
+    models = {}
+    for name, attention, tuning in (("sbm", "sbm", None), ("sbm_first", "sbm", first_tuning),
+                                    ("dense", "dense", None)):
+        torch.manual_seed(seed)
+        model = LRAClassifier(3, n, 2, attention=attention, num_clusters=clusters, pad_id=None,
+                              dropout=0.0)  # the ci Pathfinder runs: no dropout
+        if tuning is not None:
+            for block in model.blocks:
+                block.attn.sbm.tuning = tuning
+        optimiser = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        models[name] = (model, optimiser, torch.Generator().manual_seed(seed + 2))
+
+    def step(name):
+        model, optimiser, gen = models[name]
+        logits, densities = model(tokens, generator=gen)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if name != "dense":
+            loss = loss + density_regularizer(densities, 1e-4)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+
+    times: dict = {name: [] for name in models}
+    for name in models:  # warm-up
+        step(name)
+    for _ in range(repeats):
+        for name in models:
+            times[name].append(call_seconds(lambda: step(name), repeats=1, warmup=0))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "batch": batch, "n": n, "clusters": clusters, "repeats": repeats,
+        "step_s": med, "times_s": times,
+        "sbm_over_dense": med["sbm"] / med["dense"],
+        "sbm_first_over_dense": med["sbm_first"] / med["dense"],
+        "load_average": os.getloadavg(),
+    }
+
+
+def copy_bandwidth_bytes_per_s() -> float:
+    """Bytes per second of a large float32 tensor copy (read + write counted), one thread."""
+    import torch
+
+    src = torch.empty(1 << 26, dtype=torch.float32).fill_(1.0)  # 256 MiB
+    dst = torch.empty_like(src)
+    seconds = call_seconds(lambda: dst.copy_(src), repeats=3, warmup=1)
+    return 2 * src.numel() * 4 / seconds
+
+
 # ---------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------
@@ -256,6 +330,10 @@ def main() -> None:
         kind, *rest = args.worker
         if kind == "sampler":
             res = sampler_worker(int(rest[0]), int(rest[1]), 0)
+        elif kind == "step":
+            res = step_worker(int(rest[0]))
+        elif kind == "bandwidth":
+            res = {"copy_bytes_per_s": copy_bandwidth_bytes_per_s()}
         else:
             n, mode, budget, *pairs = rest
             jobs = [(pairs[i], float(pairs[i + 1])) for i in range(0, len(pairs), 2)]
@@ -319,7 +397,12 @@ def main() -> None:
         )
         sampler.append(res)
 
-    summary = _summarise(rows, sampler)
+    step = _spawn(["step", "7" if args.quick else "15"], timeout=900)
+    if "error" not in step:
+        print(f"training step n=100: SBM / dense {step['sbm_over_dense']:.2f}, first "
+              f"implementation / dense {step['sbm_first_over_dense']:.2f}", flush=True)
+    bandwidth = _spawn(["bandwidth"], timeout=300)
+    summary = _summarise(rows, sampler, step, bandwidth)
     result = {
         "benchmark": "sbm",
         "config": {
@@ -343,6 +426,8 @@ def main() -> None:
         "after a warm-up, peak = VmHWM (reset via /proc/self/clear_refs) - RSS before",
         "rows": rows,
         "sampler_sweep": sampler,
+        "training_step": step,
+        "bandwidth": bandwidth,
         "summary": summary,
         "wall_s": time.perf_counter() - started,
     }
@@ -353,8 +438,20 @@ def _ok(res: dict) -> bool:
     return isinstance(res, dict) and "error" not in res
 
 
-def _summarise(rows, sampler) -> dict:
+def _summarise(rows, sampler, step=None, bandwidth=None) -> dict:
     out: dict = {"targets": {}, "edge_time_slope_vs_edges": {}, "crossovers": {}}
+    # the bound: one key and one value row (2 d float32) read per edge and head
+    bytes_per_edge = 2 * HEAD_DIM * 4
+    if _ok(bandwidth or {}):
+        out["gather_bound_ns_per_edge"] = 1e9 * bytes_per_edge / bandwidth["copy_bytes_per_s"]
+        for row in rows:
+            if _ok(row["edge"]):
+                row["edge_ns_over_bound"] = (row["edge"]["ns_per_edge"]
+                                             / out["gather_bound_ns_per_edge"])
+    if _ok(step or {}):
+        out["targets"]["n100_ci_step_sbm_over_dense (<= 1.5)"] = step["sbm_over_dense"]
+        out["targets"]["n100_ci_step_first_implementation_over_dense"] = step[
+            "sbm_first_over_dense"]
     for row in rows:
         e, dm, sd = row["edge"], row["dense_masked"], row["sdpa"]
         if _ok(e) and _ok(dm):
@@ -370,9 +467,12 @@ def _summarise(rows, sampler) -> dict:
         out["targets"]["n4096_d5_memory_fraction_of_dense_masked (<= 0.1)"] = r[
             "memory_ratio_dense_masked"
         ]
+    r = by.get((4096, 0.05))
+    if r and "time_ratio_sdpa" in r:
+        out["targets"]["n4096_d5_speedup_vs_sdpa (>= 1)"] = r["time_ratio_sdpa"]
     r = by.get((8192, 0.01))
     if r and "time_ratio_sdpa" in r:
-        out["targets"]["n8192_d1_speedup_vs_sdpa (> 1)"] = r["time_ratio_sdpa"]
+        out["targets"]["n8192_d1_speedup_vs_sdpa (>= 3)"] = r["time_ratio_sdpa"]
     for n in sorted({r["n"] for r in rows}):
         pts = [
             (by[(n, d)]["edge"]["edges_per_head"], by[(n, d)]["edge"]["time_s"])
@@ -452,6 +552,33 @@ def _markdown(result) -> str:
     lines += ["", "## Targets", ""]
     for key, val in s["targets"].items():
         lines.append(f"- {key}: **{val:.3f}**")
+    if "gather_bound_ns_per_edge" in s:
+        bound = s["gather_bound_ns_per_edge"]
+        lines += ["", "## Time per edge against the gather bound", "",
+                  f"Bound: {2 * HEAD_DIM * 4} bytes (one key and one value row, float32) per "
+                  f"edge and head at the copy bandwidth "
+                  f"{result['bandwidth']['copy_bytes_per_s'] / 1e9:.1f} GB/s = "
+                  f"{bound:.2f} ns per edge.", "",
+                  "| n | density | edge path ns/edge | attention alone ns/edge | x bound |",
+                  "|---|---|---|---|---|"]
+        for r in result["rows"]:
+            e = r["edge"]
+            if _ok(e):
+                lines.append(f"| {r['n']} | {r['density']:.0%} | {e['ns_per_edge']:.1f} | "
+                             f"{e['attention_ns_per_edge']:.1f} | "
+                             f"{r['edge_ns_over_bound']:.0f} |")
+    step = result.get("training_step") or {}
+    if _ok(step):
+        med = step["step_s"]
+        lines += ["", "## One training step of the ci-scale LRA model (n = 100)", "",
+                  f"Batch {step['batch']}, n = {step['n']}, k = {step['clusters']}, "
+                  f"{step['repeats']} interleaved repeats, medians; load average "
+                  f"{step['load_average'][0]:.1f}.", "",
+                  "| model | step s | / dense |", "|---|---|---|",
+                  f"| SBM | {med['sbm']:.4f} | {step['sbm_over_dense']:.2f} |",
+                  f"| SBM, first implementation's sampler and edge path | "
+                  f"{med['sbm_first']:.4f} | {step['sbm_first_over_dense']:.2f} |",
+                  f"| dense (SDPA) | {med['dense']:.4f} | 1.00 |"]
     lines += ["", "## Edge time against edges at fixed n (log-log slope; 1 = linear)", ""]
     for n, slope in s["edge_time_slope_vs_edges"].items():
         lines.append(f"- n = {n}: {slope:.2f}")
