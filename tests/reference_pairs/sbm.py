@@ -1,6 +1,8 @@
 """(fast, reference) pairs of ``companion.sbm``: attention over a sampled edge list against
 dense masked attention (forward, and the gradients of queries, keys, values and edge
-weights), and the batched edge probabilities against the dense ``P = Qhat S Khat^T``.
+weights), the layer's dense count-matrix attention (the pair-grid path of
+:class:`companion.sbm.SBMAttention`) against the same reference, and the batched edge
+probabilities against the dense ``P = Qhat S Khat^T``.
 
 The graphs are drawn by fastRG itself, with duplicate pairs kept (a pair drawn ``c``
 times weighs ``c`` in both) or merged, at about two edges per query: some queries get no
@@ -97,6 +99,37 @@ def dense_gradients(q, k, v, group, query, key, weight, grad_out):
     return tuple(torch.zeros_like(weight) if g is None else g for g in grads)
 
 
+def _count_attention(q, k, v, mask):
+    """The layer's pair-grid attention on a dense weight matrix ``mask`` ``[..., n, m]``."""
+    from companion.sbm.layer import _CountAttention
+
+    lead, n, m, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
+    groups = q[..., 0, 0].numel()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    weights = mask.reshape(groups, n, m).to(acc)
+    absent_bias = (weights.detach() > 0).to(acc).sub_(1.0).mul_(1e30)
+    out = _CountAttention.apply(q.reshape(groups, n, d), k.reshape(groups, m, d),
+                                v.reshape(groups, m, -1), weights, absent_bias, d**-0.5)
+    return out.reshape(*lead, n, -1)
+
+
+def count_forward(q, k, v, group, query, key, weight, grad_out):
+    return _count_attention(q, k, v, _dense_mask(q, k, group, query, key, weight))
+
+
+def weighted_dense_forward(q, k, v, group, query, key, weight, grad_out):
+    return dense_masked_attention(q, k, v, _dense_mask(q, k, group, query, key, weight))
+
+
+def count_gradients(q, k, v, group, query, key, weight, grad_out):
+    """Gradients of ``<grad_out, out>`` in q, k, v and the edge weights, through the
+    count-matrix attention (a weight's gradient is its pair's entry's)."""
+    def attend(q, k, v, w):
+        return _count_attention(q, k, v, _dense_mask(q, k, group, query, key, w))
+    grads = _grads(attend, q, k, v, weight, grad_out)
+    return tuple(torch.zeros_like(weight) if g is None else g for g in grads)
+
+
 # (batch shape, n, m, clusters): one group, then a batch of heads sharing S per head
 PROBABILITY_SIZES = [((), 1, 1, 1), ((), 7, 5, 3), ((2, 3), 9, 4, 5), ((1, 2), 33, 17, 2)]
 
@@ -114,6 +147,10 @@ def _make_probabilities(size, dtype, device, generator):
 PAIRS = [
     Pair("sbm.edge_attention", edge_forward, dense_forward, _make_attention, ATTENTION_SIZES),
     Pair("sbm.edge_attention_gradients", edge_gradients, dense_gradients, _make_attention,
+         ATTENTION_SIZES),
+    Pair("sbm.count_attention", count_forward, weighted_dense_forward, _make_attention,
+         ATTENTION_SIZES),
+    Pair("sbm.count_attention_gradients", count_gradients, dense_gradients, _make_attention,
          ATTENTION_SIZES),
     Pair("sbm.edge_probabilities", edge_probabilities, dense_edge_probabilities,
          _make_probabilities, PROBABILITY_SIZES),
