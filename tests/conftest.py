@@ -16,8 +16,9 @@ CHAPTERS = sorted(p.stem for p in (REPO / "chapters").glob("*.md"))
 # xdist workers take files in collection order): the chapters' smoke runs and the book
 # they make, then the files of many runs and processes. The other files keep their order.
 SLOW_FILES_FIRST = ("test_chapters_smoke.py", "test_smoke_book.py", "test_runner.py",
-                    "test_portable_notebook.py", "test_lra_training.py",
-                    "test_pages_and_book.py", "test_context_similarity.py")
+                    "test_portable_notebook.py", "test_runner_interrupts.py",
+                    "test_lra_training.py", "test_pages_and_book.py",
+                    "test_context_similarity.py", "test_gpu_scripts.py")
 
 
 def pytest_collection_modifyitems(items):
