@@ -454,6 +454,30 @@ def test_tune_finds_the_planted_layer_and_stacked_predictions_match():
             assert torch.equal(stacked[m.name], m.predict(test_feats)), m.name
 
 
+
+def test_tune_and_predict_side_by_side_equal_one_after_another():
+    # with 3 caller threads the families, TextTiling and the prediction chunks run on 3
+    # Python threads, every operation on one intra-op thread: the same numbers as 1
+    feats, gold = planted_features()
+    test_feats, _ = planted_features(seed=1)
+    kw = dict(final_layers=[1, 2], penalties=[1.0, 4.0, 16.0], widths=(4,), cutoffs=(0.0,))
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            methods = se.tune(feats, gold, **kw)
+            assert torch.get_num_threads() == threads
+            runs.append((methods, se.predict_all(methods, test_feats,
+                                                 torch.Generator().manual_seed(0))))
+    finally:
+        torch.set_num_threads(before)
+    (m1, p1), (m3, p3) = runs
+    assert [(m.name, m.params) for m in m1] == [(m.name, m.params) for m in m3]
+    assert list(p1) == list(p3) and all(torch.equal(p1[k], p3[k]) for k in p1)
+    assert se._run_tasks([lambda: 1, lambda: 2, lambda: 3], 2) == [1, 2, 3]
+    assert se._run_tasks([], 2) == []
+
 # --------------------------------------------------------------------------- the chapter's windows
 # (these use the bundled tokenizer and a tiny random BERT: real forward passes, small sizes)
 

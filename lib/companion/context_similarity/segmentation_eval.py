@@ -28,6 +28,7 @@ The protocol the context-similarity chapter runs (:func:`evaluate`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -59,20 +60,36 @@ __all__ = [
 SENTENCE_PUNCTUATION = re.compile(r"^[.!?;:]+$")
 
 # Tuning and prediction are loops of many small reductions (n steps of the dynamic
-# programme per call): on CPU they run on this many intra-op threads, since thread
-# synchronisation costs them more than it gains (7x slower with 2 threads than with 1 on
-# a loaded 2-core machine). The forward passes keep the caller's setting.
+# programme per call): on CPU every operation runs on this many intra-op threads, since
+# thread synchronisation costs them more than it gains (7x slower with 2 threads than with
+# 1 on a loaded 2-core machine). Their independent parts (the two families, TextTiling,
+# the chunks of stacked predictions) run side by side instead, on as many Python threads
+# as the caller's intra-op setting allows: each operation still runs on one thread, so
+# the numbers do not depend on the setting. The forward passes keep the caller's setting.
 LOOP_THREADS = 1
 
 
 @contextlib.contextmanager
 def _loop_threads():
+    """Intra-op threads down to LOOP_THREADS; yields the caller's setting (the workers)."""
     before = torch.get_num_threads()
     torch.set_num_threads(min(before, LOOP_THREADS))
     try:
-        yield
+        yield before
     finally:
         torch.set_num_threads(before)
+
+
+def _run_tasks(tasks: list, workers: int) -> list:
+    """The results of the callables ``tasks``, in order; on up to ``workers`` Python
+    threads (torch releases the interpreter lock inside its operations)."""
+    workers = min(int(workers), len(tasks))
+    if workers <= 1:
+        return [task() for task in tasks]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda task: task(), tasks))
 
 
 # --------------------------------------------------------------------------- data
@@ -420,24 +437,33 @@ def predict_all(methods: list, feats: Features, generator: torch.Generator | Non
     """``{name: [N, n] bool}`` for every method; the dynamic-programming methods run
     stacked (one batched call per chunk, with every distinct penalty), which gives the
     same boundaries as :meth:`Method.predict` one by one (checked in the tests)."""
-    with _loop_threads():
-        return _predict_all(methods, feats, generator)
+    with _loop_threads() as workers:
+        return _predict_all(methods, feats, generator,
+                            workers if feats.heads.device.type == "cpu" else 1)
 
 
-def _predict_all(methods, feats, generator):
+def _predict_all(methods, feats, generator, workers=1):
     out = {}
     dp = [m for m in methods if m.family in DP_FAMILIES]
+    tasks = []
     if dp:
         pens = sorted({m.params["penalty"] for m in dp})
         pen = torch.tensor(pens, dtype=torch.float64)
-        for chunk in _dp_chunks(dp, feats.heads.shape[0]):
+
+        def run(chunk):
             # combine() checked every matrix: the stack goes to the programme unchecked
             stacked = torch.stack([m.matrix(feats) for m in chunk])  # [C, N, n, n]
             pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
-            for c, m in enumerate(chunk):
-                out[m.name] = pred[c, :, pens.index(m.params["penalty"])]
-    for m in methods:
-        if m.family not in DP_FAMILIES:
+            return {m.name: pred[c, :, pens.index(m.params["penalty"])]
+                    for c, m in enumerate(chunk)}
+
+        tasks += [functools.partial(run, chunk) for chunk in _dp_chunks(dp, feats.heads.shape[0])]
+    tasks += [functools.partial(lambda m: {m.name: m.predict(feats)}, m)
+              for m in methods if m.family == "TextTiling"]
+    for part in _run_tasks(tasks, workers):
+        out.update(part)
+    for m in methods:  # the random baselines draw from the generator in method order
+        if m.family not in DP_FAMILIES and m.family != "TextTiling":
             out[m.name] = m.predict(feats, generator)
     return {m.name: out[m.name] for m in methods}
 
@@ -502,67 +528,84 @@ def tune(feats: Features, gold: torch.Tensor, *, final_layers, penalties,
 
     Returns the list of :class:`Method` with fixed parameters.
     """
-    with _loop_threads():
-        return _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs)
+    with _loop_threads() as workers:
+        return _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
+                     workers if feats.heads.device.type == "cpu" else 1)
 
 
-def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs):
-    n_layers, n_heads = feats.heads.shape[1], feats.heads.shape[2]
+def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs, workers=1):
     pen = torch.as_tensor(list(penalties), dtype=torch.float64)
     if pen.dim() != 1 or pen.numel() == 0:
         raise ValueError(f"penalties: expected a non-empty sequence, got {penalties!r}")
     if not bool(torch.isfinite(pen).all()):
         raise ValueError(f"penalties: expected finite values, got {penalties!r}")
     gold = gold.cpu()
-    methods: list[Method] = []
-    for family, src in (("head outputs", feats.heads), ("attention", feats.attention)):
-        contrast = head_contrast(src, gold.to(src.device))
-        order = contrast.argsort(dim=-1, descending=True).cpu()
-        candidates = []  # (params, matrix)
-        for frac in head_fractions:
-            k = max(1, int(round(frac * n_heads)))
-            top = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
-            # the same sums combine() forms, computed once per layer
-            sums = {ly: sg._head_sum(src, ly, top[ly]) for ly in range(n_layers)}
-            for ly in range(n_layers):  # every candidate is made from these: checked once
-                sg._check_square("feats", sums[ly])
-            for layers in _layer_sets(n_layers, list(final_layers)):
-                mean = sg._mean_of_sums([sums[ly] for ly in layers], k * len(layers))
-                for detrend in (False, True):
-                    m = sg._finish(mean, detrend)
-                    params = dict(layers=list(layers), heads={ly: top[ly] for ly in layers},
-                                  detrend=detrend, head_fraction=frac, all_heads=(k == n_heads))
-                    candidates.append((params, m))
-        scored = []
-        for chunk in _dp_chunks(candidates, gold.shape[0]):
-            stacked = torch.stack([m for _, m in chunk])  # [C, N, n, n]
-            pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
-            f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
-            for c, (params, _) in enumerate(chunk):
-                i = int(f1[c].argmax())
-                scored.append((float(f1[c, i]), {**params, "penalty": float(pen[i]),
-                                                 "dev_f1": float(f1[c, i])}))
-        del candidates
-        best = max(scored, key=lambda x: x[0])  # first maximum
-        methods.append(Method(f"{family}, tuned", family, best[1]))
-        for ly in range(n_layers):
-            mine = [c for c in scored if c[1]["layers"] == [ly] and c[1]["all_heads"]]
-            methods.append(Method(f"{family}, layer {ly + 1}", family,
-                                  max(mine, key=lambda x: x[0])[1], layer=ly))
-    best_tt = None
-    for w in widths:
-        if w >= gold.shape[-1]:
-            continue
-        depth = sg.texttiling_scores(feats.hidden, w)
-        for c in cutoffs:
-            f1 = _f1_pm1(gold, sg.texttiling_cut(depth, c).cpu())
-            if best_tt is None or f1 > best_tt[0]:
-                best_tt = (f1, dict(width=w, cutoff=c, dev_f1=f1))
-    methods.append(Method("TextTiling, final hidden states", "TextTiling", best_tt[1]))
+    tasks = [functools.partial(_tune_family, family, src, gold, list(final_layers), pen,
+                               head_fractions)
+             for family, src in (("head outputs", feats.heads), ("attention", feats.attention))]
+    tasks.append(functools.partial(_tune_texttiling, feats.hidden, gold, widths, cutoffs))
+    heads_rows, attention_rows, texttiling = _run_tasks(tasks, workers)
+    methods: list[Method] = [*heads_rows, *attention_rows, texttiling]
     rate = float(gold[:, 1:].float().mean())
     methods.append(Method("random at the gold rate", "random", dict(rate=rate)))
     methods.append(Method("evenly spaced", "even", dict(spacing=max(1.0, 1.0 / max(rate, 1e-9)))))
     return methods
+
+
+def _tune_family(family, src, gold, final_layers, pen, head_fractions) -> list:
+    """The "tuned" row and the per-layer rows of one family (see :func:`tune`)."""
+    n_layers, n_heads = src.shape[1], src.shape[2]
+    contrast = head_contrast(src, gold.to(src.device))
+    order = contrast.argsort(dim=-1, descending=True).cpu()
+    candidates = []  # (params, the matrices' recipe): formed when their chunk runs
+    for frac in head_fractions:
+        k = max(1, int(round(frac * n_heads)))
+        top = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
+        # the same sums combine() forms, computed once per layer
+        sums = {ly: sg._head_sum(src, ly, top[ly]) for ly in range(n_layers)}
+        for ly in range(n_layers):  # every candidate is made from these: checked once
+            sg._check_square("feats", sums[ly])
+        for layers in _layer_sets(n_layers, final_layers):
+            for detrend in (False, True):
+                params = dict(layers=list(layers), heads={ly: top[ly] for ly in layers},
+                              detrend=detrend, head_fraction=frac, all_heads=(k == n_heads))
+                candidates.append((params, (sums, layers, k * len(layers), detrend)))
+
+    def matrix(recipe):
+        sums, layers, count, detrend = recipe
+        return sg._finish(sg._mean_of_sums([sums[ly] for ly in layers], count), detrend)
+
+    scored = []
+    for chunk in _dp_chunks(candidates, gold.shape[0]):
+        stacked = torch.stack([matrix(recipe) for _, recipe in chunk])  # [C, N, n, n]
+        pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
+        del stacked
+        f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
+        for c, (params, _) in enumerate(chunk):
+            i = int(f1[c].argmax())
+            scored.append((float(f1[c, i]), {**params, "penalty": float(pen[i]),
+                                             "dev_f1": float(f1[c, i])}))
+    del candidates
+    best = max(scored, key=lambda x: x[0])  # first maximum
+    methods = [Method(f"{family}, tuned", family, best[1])]
+    for ly in range(n_layers):
+        mine = [c for c in scored if c[1]["layers"] == [ly] and c[1]["all_heads"]]
+        methods.append(Method(f"{family}, layer {ly + 1}", family,
+                              max(mine, key=lambda x: x[0])[1], layer=ly))
+    return methods
+
+
+def _tune_texttiling(hidden, gold, widths, cutoffs) -> Method:
+    best_tt = None
+    for w in widths:
+        if w >= gold.shape[-1]:
+            continue
+        depth = sg.texttiling_scores(hidden, w)
+        for c in cutoffs:
+            f1 = _f1_pm1(gold, sg.texttiling_cut(depth, c).cpu())
+            if best_tt is None or f1 > best_tt[0]:
+                best_tt = (f1, dict(width=w, cutoff=c, dev_f1=f1))
+    return Method("TextTiling, final hidden states", "TextTiling", best_tt[1])
 
 
 # --------------------------------------------------------------------------- scores
