@@ -84,11 +84,11 @@ def _graphs_equal(fast, reference, dtype):
     assert fast.graph["n_positions"] == reference.graph["n_positions"]
 
 
-def _depth_by_blocks(words_per_node, gather_words=1 << 22):
+def _depth_by_blocks(words_per_node, gather_words=1 << 22, cache_words=1 << 16):
     def depth(mask):
         closure = _closure_bitset(mask)
         return _depth_bitset(closure.packed, _reach_count(closure), words_per_node,
-                             gather_words)
+                             gather_words, cache_words)
 
     return depth
 
@@ -202,6 +202,11 @@ PAIRS = [
            reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
            sizes=("random-19", "chain-17", "window3-21", "butterfly-5"), dtypes=BOOL,
            exact=True, cuda=False) for w in (1, 2)],
+    Pair(name="hasse.depth_bitset.cache_chunked",  # ELL pull, a few candidates a chunk
+         fast=_depth_by_blocks(None, cache_words=3),
+         reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
+         sizes=("random-7", "random-19", "randomdag-13"), dtypes=BOOL, exact=True,
+         cuda=False),
     Pair(name="hasse.depth.intervals", fast=_depth_auto,
          reference=lambda m: ref.reachability_limit(m)[1], make=_make_mask,
          sizes=INTERVAL_SIZES, dtypes=BOOL, exact=True, cuda=False),

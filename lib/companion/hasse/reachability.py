@@ -430,13 +430,16 @@ def _neighbours(adj: _Adjacency, nodes: np.ndarray):
 
 
 def _pull(frontier_words: np.ndarray, in_adj: _Adjacency, cand: np.ndarray,
-          stride: np.int32, gather_words: int = 1 << 22) -> np.ndarray:
+          stride: np.int32, gather_words: int = 1 << 22,
+          cache_words: int = 1 << 16) -> np.ndarray:
     """OR of the frontier words of each candidate's in-neighbours (same block).
 
     ELL: one gather and OR per slot, over all candidates at once (no gathered block is
     kept); with more than two slots the candidates are sorted by in-degree, so that slot
-    ``j`` gathers only those with a ``j``-th in-neighbour (a random mask at
-    ``n = 32768``: 1.4x faster than gathering every slot of every candidate).
+    ``j`` gathers only those with a ``j``-th in-neighbour, a chunk of about
+    ``cache_words`` words of candidates at a time so that its ORs stay in cache (a
+    random mask at ``n = 32768``: 1.4x, then 1.3x, faster than gathering every slot of
+    every candidate at once).
     CSR: gathered and reduced in chunks of about ``gather_words`` words, so
     that memory stays bounded."""
     node = cand % stride
@@ -454,14 +457,20 @@ def _pull(frontier_words: np.ndarray, in_adj: _Adjacency, cand: np.ndarray,
         order = np.argsort(-degree, kind="stable")
         node, base = node[order], base[order]
         having = np.searchsorted(-degree[order], -np.arange(slots.shape[0]), side="left")
-        acc = np.zeros((cand.size,) + frontier_words.shape[1:], dtype=np.uint64)
-        for j in range(slots.shape[0]):
-            k = int(having[j])  # candidates with degree > j
-            if k == 0:
-                break
-            acc[:k] |= frontier_words[slots[j][node[:k]] + base[:k]]
-        out = np.empty_like(acc)
-        out[order] = acc
+        having = having.tolist()  # having[j]: the candidates with degree > j
+        # candidates in cache-sized chunks: a chunk's ORs stay in cache over all its slots
+        chunk = max(1, cache_words // (1 if frontier_words.ndim == 1 else
+                                       frontier_words.shape[1]))
+        out = np.empty((cand.size,) + frontier_words.shape[1:], dtype=np.uint64)
+        for lo in range(0, cand.size, chunk):
+            hi = min(cand.size, lo + chunk)
+            acc = frontier_words[slots[0][node[lo:hi]] + base[lo:hi]]
+            for j in range(1, slots.shape[0]):
+                k = min(hi, having[j])
+                if k <= lo:
+                    break
+                acc[:k - lo] |= frontier_words[slots[j][node[lo:k]] + base[lo:k]]
+            out[order[lo:hi]] = acc
         return out
     kw = 1 if frontier_words.ndim == 1 else frontier_words.shape[1]
     per_cand = (in_adj.ptr[node + 1] - in_adj.ptr[node]).astype(np.int64)
@@ -551,7 +560,7 @@ def _depth(packed: np.ndarray, r_count: int) -> int:
 
 
 def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None = None,
-                  gather_words: int = 1 << 22) -> int:
+                  gather_words: int = 1 << 22, cache_words: int = 1 << 16) -> int:
     """Smallest L with A^L = R, given A packed and the number of True entries of R.
 
     Breadth-first search from all sources at once: sources are grouped in blocks of
@@ -614,7 +623,7 @@ def _depth_bitset(packed: np.ndarray, r_count: int, words_per_node: int | None =
         marks[dummies] = False
         cand = np.flatnonzero(marks).astype(np.int32)
         marks[cand] = False
-        new = _pull(frontier_words, in_adj, cand, stride32, gather_words)
+        new = _pull(frontier_words, in_adj, cand, stride32, gather_words, cache_words)
         new &= ~visited[cand]
         frontier_words[front] = 0
         keep = new != 0 if kw == 1 else new.any(axis=1)
