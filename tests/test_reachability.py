@@ -173,6 +173,32 @@ def test_bfs_paths_agree():
         assert depths == {_brute(mask)[1]}
 
 
+def test_packed_adjacency_restores_the_thread_count():
+    """The mod runs on one intra-op thread; the caller's setting comes back, also when
+    the mod raises."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+
+        def mod(b, h, q_idx, kv_idx):
+            seen.append(torch.get_num_threads())
+            return q_idx >= kv_idx
+
+        packed = RR.packed_adjacency(mod, 70, block_bytes=700)
+        assert set(seen) == {1} and len(seen) == 7 and torch.get_num_threads() == 2
+        assert torch.equal(RR.unpack_reach(packed, 70), M.causal(70))
+
+        def broken(b, h, q_idx, kv_idx):
+            raise RuntimeError("mod failed")
+
+        with pytest.raises(RuntimeError, match="mod failed"):
+            RR.packed_adjacency(broken, 5)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_row_intervals_and_closed_form_depth():
     """Interval rows are found across word boundaries; rows with a gap or with ends that
     go back take the search; the closed form agrees with the BFS distances."""
