@@ -185,8 +185,12 @@ def fastrg_sample(
     of a block of groups accepts at least ``tuning.min_acceptance`` of the proposals;
     otherwise (skewed clusters) by an inverse-CDF search over the cumulative sums of
     ``Khat[:, b]`` (``tuning`` can force either).  On CPU the uniforms come from numpy's
-    PCG64 seeded by the torch generator (see :class:`_RandomSource`): the same seed (and
-    tuning) gives the same graph.  The inputs are only read, never written.
+    PCG64 seeded by the torch generator (see :class:`_RandomSource`), and so do the
+    Poisson counts (by inversion): the same seed (and tuning) gives the same graph.  For
+    small dense graphs (``tuning.cell_grid``, :func:`use_pair_grid`) the counts are drawn
+    per (query, key) pair instead, ``N_ij ~ Poisson(P_ij)`` from one GEMM forming ``P``
+    (:func:`poisson_pair_counts`): the same law, no key draws, memory ``O(n m)`` (within
+    a small factor of ``E`` there).  The inputs are only read, never written.
 
     Parameters
     ----------
