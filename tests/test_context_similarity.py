@@ -23,6 +23,7 @@ from companion.context_similarity import capture, corpus, reference
 from companion.context_similarity import stats as stats_module
 from companion.context_similarity import (
     BatchResult,
+    CaptureSettings,
     ModelNotFoundError,
     SimilarityStats,
     analyse_batch,
@@ -928,6 +929,36 @@ def test_one_pass_for_pre_and_post_wo_equals_two_passes(tiny_model_dir, dtype, w
                                                   **opts))
     _assert_stats_identical(second, analyse_corpus(model, wins[half:], per_window=windowed,
                                                    **opts))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_side_by_side_updates_equal_one_after_the_other(tiny_model_dir, dtype):
+    """CaptureSettings.side_by_side_updates (the default): with two intra-op threads the
+    where entries' updates run on threads of their own, one intra-op thread each; the
+    statistics (sums, per-window parts, tracked tokens, ``into``) equal those of one
+    update after the other bit for bit, and the caller's thread count is kept."""
+    model, tok = load_encoder(str(tiny_model_dir), device="cpu", dtype=dtype)
+    wins = _small_windows(tok, length=16)
+    tracked = torch.zeros(2, 4, dtype=torch.long) + tok.convert_tokens_to_ids(".")
+    opts = dict(tokenizer=tok, batch_size=2, percentile=10.0, progress=False, nproc=1,
+                where=("pre_wo", "post_wo"), per_window=(True, False))
+    serial = CaptureSettings(side_by_side_updates=False)
+    half = 2 * (len(wins) // 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for settings in (serial, CaptureSettings()):
+            first, post = analyse_corpus(model, wins[:half], settings=settings, **opts)
+            second, post = analyse_corpus(model, wins[half:], settings=settings,
+                                          track_tokens=tracked, into=(None, post), **opts)
+            assert torch.get_num_threads() == 2
+            runs.append((first, second, post))
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(runs[1], runs[0]):
+        _assert_stats_identical(got, want)
+    assert runs[1][1]._tracked is not None
 
 
 def test_where_tuple_bad_input_names_the_parameter(tiny_model_dir):

@@ -56,9 +56,17 @@ class CaptureSettings:
     captured; that layer's ``W_O``, feed-forward block and the pooler feed no statistic
     (about a tenth of the forward of a 6-layer model). False runs the whole model (as
     benchmarks/bench_context_similarity.py does to measure the analysis's own overhead).
+
+    ``side_by_side_updates``: with several ``where`` entries, a CPU model and two or more
+    intra-op threads, :func:`analyse_corpus` updates the entries' statistics of a batch
+    side by side, one thread each with one intra-op thread (the forward keeps all of
+    them). The update's ops are short (a head's similarity product, its masking and
+    segment maxima) and split poorly over threads; the same ops on one thread give the
+    same numbers (tested), so only the speed changes. False: one entry after the other.
     """
 
     stop_after_last_attention: bool = True
+    side_by_side_updates: bool = True
 
 
 class HeadOutputs(NamedTuple):

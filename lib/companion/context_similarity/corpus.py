@@ -205,16 +205,42 @@ def analyse_corpus(
 
         bar = tqdm(total=len(windows), desc=f"context similarity ({'+'.join(wheres)})",
                    unit="window")
-    for k in mine:
-        part = windows[k * batch_size:(k + 1) * batch_size]
-        batch = {name: t.to(model_device) for name, t in part.batch().items()}
-        result = analyse_batch(model, batch, where=wheres[0], gram=metrics[0],
-                               workspace=workspace, settings=settings)
-        for s, metric in zip(fresh, metrics):  # one forward pass, one update per where
-            s.update(result._replace(metric=metric), workspace=workspace)
-        if bar is not None:
-            # rank 0 speaks for all ranks: they advance in lock-step over equal shards
-            bar.update(min(len(part) * world, bar.total - bar.n))
+    # one workspace per where for the update's buffers (the capture's in the first)
+    workspaces = [workspace] + [
+        _SHARED_WORKSPACES.setdefault(f"{model_device}/where{n}", Workspace())
+        for n in range(1, len(fresh))]
+    threads = torch.get_num_threads()
+    pool = None
+    if (settings.side_by_side_updates and len(fresh) > 1 and model_device.type == "cpu"
+            and threads > 1):
+        from concurrent.futures import ThreadPoolExecutor
+
+        # each update on a thread of its own with one intra-op thread (set per thread;
+        # this thread's count, which the forward uses, stays)
+        pool = ThreadPoolExecutor(len(fresh), thread_name_prefix="similarity-update",
+                                  initializer=torch.set_num_threads, initargs=(1,))
+    try:
+        for k in mine:
+            part = windows[k * batch_size:(k + 1) * batch_size]
+            batch = {name: t.to(model_device) for name, t in part.batch().items()}
+            result = analyse_batch(model, batch, where=wheres[0], gram=metrics[0],
+                                   workspace=workspace, settings=settings)
+            # one forward pass, one update per where
+            updates = [(s, result._replace(metric=metric), ws)
+                       for s, metric, ws in zip(fresh, metrics, workspaces)]
+            if pool is None:
+                for s, r, ws in updates:
+                    s.update(r, workspace=ws)
+            else:
+                for job in [pool.submit(s.update, r, workspace=ws) for s, r, ws in updates]:
+                    job.result()
+            if bar is not None:
+                # rank 0 speaks for all ranks: they advance in lock-step over equal shards
+                bar.update(min(len(part) * world, bar.total - bar.n))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+            torch.set_num_threads(threads)  # the pool's threads set the shared default to 1
     if bar is not None:
         bar.close()
     if is_dist:

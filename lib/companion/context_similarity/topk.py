@@ -216,7 +216,10 @@ def top_pairs(
     right = outputs.permute(1, 2, 0, 3, 4).reshape(n_matrices, b, t, d)
     left = right
     if metric is not None:
-        left = torch.matmul(right, metric.to(outputs.dtype).reshape(n_matrices, 1, d, d))
+        # one [B T, d] x [d, d] product per head (not B broadcast [T, d] x [d, d] ones)
+        left = torch.matmul(right.reshape(n_matrices, b * t, d),
+                            metric.to(outputs.dtype).reshape(n_matrices, d, d)).view(
+                                n_matrices, b, t, d)
     seg_len = _divisor_at_most(t, segment)  # segment length
     n_segments = t // seg_len  # segments per row
     cpu = dev.type == "cpu"
