@@ -313,6 +313,11 @@ def test_browser_check_detects_broken_image_and_raw_latex(demo_project):
     assert "does not fit at 400 px: ['div.pst-scrollable-table-container" in summary, summary
     assert "does not fit at 1400 px" not in summary
     assert set(report.pages[0].screenshots) == {1400, 400}
+    # without screenshots every check still runs, at both widths: the same problems
+    quick = check_book(p, html_dir, pages=["book/_generated/chapters/demo.html"],
+                       screenshots=False)
+    assert quick.pages[0].problems == report.pages[0].problems
+    assert not quick.pages[0].screenshots and "no screenshots saved" in quick.summary()
     proc = _cli(p, "check-html")  # what `make book` runs: a problem is a non-zero exit
     assert proc.returncode == 1 and "images not loaded" in proc.stdout, proc.stdout
     assert "raw LaTeX" in proc.stdout

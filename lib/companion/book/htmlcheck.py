@@ -503,9 +503,10 @@ class Report:
             state = "ok" if not p.problems else "FAIL: " + "; ".join(p.problems)
             lines.append(f"{p.page}: {p.images} image(s), {p.math} math element(s) "
                          f"rendered -> {state}")
+        shots = [p.screenshot for p in self.pages if p.screenshot]
         lines.append(f"check-html: {sum(not p.problems for p in self.pages)}/{len(self.pages)} "
-                     "pages ok; screenshots in " + (str(Path(self.pages[0].screenshot).parent)
-                                                   if self.pages else "-"))
+                     "pages ok; " + (f"screenshots in {Path(shots[0]).parent}" if shots
+                                     else "no screenshots saved"))
         return "\n".join(lines)
 
 
@@ -602,8 +603,14 @@ def is_chapter_page(page: str) -> bool:
     return "_generated/chapters/" in page
 
 
-def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Report:
-    """Open every page in headless Chromium and report what is broken (see module doc)."""
+def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
+               screenshots: bool = True) -> Report:
+    """Open every page in headless Chromium and report what is broken (see module doc).
+
+    ``screenshots=False`` runs every check (both widths included) without saving the
+    full-page screenshots, which take about half the time (the test suite's smoke book;
+    ``make check-html`` keeps them, for a person to look at).
+    """
     build_dir = Path(build_dir)
     if not (build_dir / "index.html").exists():
         return Report([], error=f"no built book at {build_dir} (run 'make book' first)")
@@ -614,7 +621,8 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                                   "chromium-driver)")
     pages = pages or toc_pages(project)
     shots = build_dir.parent / "screenshots"
-    shots.mkdir(parents=True, exist_ok=True)
+    if screenshots:
+        shots.mkdir(parents=True, exist_ok=True)
     results = []
     with serve(build_dir) as base:
         driver = _driver(browser, driver_path)
@@ -661,6 +669,8 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                         driver.execute_script(_SIDEWAYS_JS, ", ".join(MUST_FIT)), width)
                     if problem:
                         res.problems.append(problem)
+                    if not screenshots:
+                        continue
                     # Full-page screenshot: the viewport as tall as the page.
                     height = driver.execute_script(
                         "return document.documentElement.scrollHeight")
@@ -668,7 +678,7 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None) -> Repo
                     shot = shots / (stem + ("" if width == WIDTHS[0] else f"@{width}") + ".png")
                     driver.save_screenshot(str(shot))
                     res.screenshots[width] = str(shot)
-                res.screenshot = res.screenshots[WIDTHS[0]]
+                res.screenshot = res.screenshots.get(WIDTHS[0], "")
         finally:
             driver.quit()
     return Report(results)
