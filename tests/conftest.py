@@ -62,6 +62,18 @@ def make_project(root: Path, chapters: dict[str, Path]) -> Path:
     return root
 
 
+def demo_project_after_one_run(parent: Path):
+    """A demo project under ``parent`` whose chapter has run once at smoke scale (the
+    start of the runner tests that need a good published run)."""
+    from companion.book.runner import Project, run_chapter
+
+    project = Project(make_project(parent / "book-project",
+                                   {"demo": FIXTURE_CHAPTERS / "demo.md"}))
+    result = run_chapter(project, "demo", scale="smoke", echo=lambda _line: None)
+    assert result.status == "ok", result.error
+    return project
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a test module of small problems (restored afterwards)."""

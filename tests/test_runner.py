@@ -58,13 +58,9 @@ def test_resolve_parameters_errors(overrides, match):
 
 @pytest.fixture(scope="module")
 def _demo_run_once(tmp_path_factory):
-    from conftest import FIXTURE_CHAPTERS, make_project
+    from conftest import demo_project_after_one_run
 
-    root = make_project(tmp_path_factory.mktemp("demo-ran") / "book-project",
-                        {"demo": FIXTURE_CHAPTERS / "demo.md"})
-    p = runner.Project(root)
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
-    return p
+    return demo_project_after_one_run(tmp_path_factory.mktemp("demo-ran"))
 
 
 @pytest.fixture

@@ -87,13 +87,9 @@ def _start_run(p, *args, env_extra=None):
 def interrupt_project(tmp_path_factory):
     """One project with one good run, shared by the interrupt tests (each compares to
     what is published when it starts)."""
-    from conftest import FIXTURE_CHAPTERS, make_project
+    from conftest import demo_project_after_one_run
 
-    root = make_project(tmp_path_factory.mktemp("interrupts") / "book-project",
-                        {"demo": FIXTURE_CHAPTERS / "demo.md"})
-    p = runner.Project(root)
-    assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
-    return p
+    return demo_project_after_one_run(tmp_path_factory.mktemp("interrupts"))
 
 
 @contextlib.contextmanager
