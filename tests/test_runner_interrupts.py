@@ -83,6 +83,15 @@ def _start_run(p, *args, env_extra=None):
                             start_new_session=True, preexec_fn=_default_signal_dispositions)
 
 
+def _start_build(p, scale: str, env_extra=None):
+    """``python -m companion build --scale SCALE`` of the project, in this test's session
+    (the tests interrupt it with a SIGINT to its pid, as a terminal's Ctrl-C reaches it)."""
+    return subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
+                             str(p.root), "--scale", scale], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env_extra or {})})
+
+
 @pytest.fixture(scope="module")
 def interrupt_project(tmp_path_factory):
     """One project with one good run, shared by the interrupt tests (each compares to
@@ -243,9 +252,7 @@ def test_interrupt_of_build_stops_its_runs(interrupt_project, tmp_path):
     before = _published(p)
     marker = tmp_path / "marker"
     with _hanging_defaults(p, marker):
-        proc = subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
-                                 str(p.root), "--scale", "smoke"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = _start_build(p, "smoke")
         _wait_for(marker.exists, "the build's run executed the compute cell", proc)
         pids = json.loads(marker.read_text())
         os.kill(proc.pid, signal.SIGINT)
@@ -396,10 +403,7 @@ def test_build_relays_each_runs_log_path_and_progress(interrupt_project, tmp_pat
     before = _published(p)
     marker = tmp_path / "marker"
     with _hanging_defaults(p, marker):
-        proc = subprocess.Popen([sys.executable, "-m", "companion", "build", "--root",
-                                 str(p.root), "--scale", "demo=smoke"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, runner.ENV_PROGRESS_SECONDS: "0.1"})
+        proc = _start_build(p, "demo=smoke", env_extra={runner.ENV_PROGRESS_SECONDS: "0.1"})
         seen = _lines_until(proc, [r"^\[scales\] demo=smoke", r"^\[start\] demo .*: log \S+",
                                    r"^\[progress\] demo: cell \d+ of \d+ \(chapter cell \d+\)"])
         _wait_for(marker.exists, "the build's run executed the compute cell", proc)
