@@ -4,7 +4,9 @@
 --tiny`` and ``benchmarks/gpu_check_hasse.py --device cpu --quick`` in subprocesses (as
 the device tool runs them), their JSON checked against independent references where
 there is one (the ListOps majority class recomputed from the generator, accuracies as
-multiples of 1 / test size, the expected edge count of fastRG at 5 %).
+multiples of 1 / test size, the expected edge count of fastRG at 5 %). Their refusals
+(bad arguments, no CUDA) are their ``main`` called in this process: the same exit status
+and message, without an interpreter importing torch for each.
 """
 from __future__ import annotations
 
@@ -124,16 +126,24 @@ def _chapter_gpu_cell(root, result):
     return shown
 
 
-def test_gpu_paper_sbm_bad_arguments_name_the_option(tmp_path):
-    script = BENCH / "gpu_paper_sbm.py"
+def test_gpu_paper_sbm_bad_arguments_name_the_option(tmp_path, monkeypatch, capsys):
+    # The script's main in this process: what `python gpu_paper_sbm.py ...` exits with
+    # (its `sys.exit(main())`; argparse's errors are SystemExit(2)), without a new
+    # interpreter importing torch for each refusal.
+    module = _load("gpu_paper_sbm")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.chdir(tmp_path)
     for args, option in ((["--budget-s", "0"], "--budget-s"),
                          (["--lambdas", "1e-4,x"], "--lambdas"),
                          (["--lambdas", "-1"], "--lambdas"),
                          (["--n-train", "0"], "--n-train")):
-        proc = _run([script, "--tiny", "--device", "cpu", *args], tmp_path, timeout=60)
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert option in proc.stderr, (args, proc.stderr)
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(["--tiny", "--device", "cpu", *args])
+        stderr = capsys.readouterr().err
+        assert exit_info.value.code == 2, (args, stderr)
+        assert option in stderr, (args, stderr)
     assert not (tmp_path / "out").exists()  # nothing written
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_plan_steps_fits_the_share():
@@ -161,10 +171,13 @@ def test_gpu_check_sbm_cpu_tiny(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_gpu_check_sbm_without_cuda_says_so(tmp_path):
-    proc = _run([BENCH / "gpu_check_sbm.py"], tmp_path, timeout=60)
-    assert proc.returncode == 2
-    assert "no CUDA device" in proc.stdout and "--device cpu --tiny" in proc.stdout
+def test_gpu_check_sbm_without_cuda_says_so(tmp_path, monkeypatch, capsys):
+    # main in this process: the exit status `python gpu_check_sbm.py` would have
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert _load("gpu_check_sbm").main([]) == 2
+    stdout = capsys.readouterr().out
+    assert "no CUDA device" in stdout and "--device cpu --tiny" in stdout
+    assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_gpu_check_hasse_cpu_quick(tmp_path):
