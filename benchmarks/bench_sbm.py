@@ -34,7 +34,9 @@ model at ci scale (Pathfinder: batch 32, n = 100, 2 layers, 2 heads, d 32, k = 3
 clusters) with SBM attention against the same model with dense SDPA attention, and the
 SBM step with the sampler tuning of the first implementation (fastRG's cluster cells,
 ``torch.poisson`` counts, edge-list attention), interleaved in one process (ratios of
-medians).  The attention rows also report the edge path's time per edge against the
+medians of wall and of CPU time), at 1 and 2 torch threads, each with the heap setting of
+the chapter's training workers (``companion.lra.experiments.keep_freed_memory``) and
+without it.  The attention rows also report the edge path's time per edge against the
 memory-bandwidth bound of gathering one key and one value row per edge (``2 d`` float32
 per edge and head, at the bandwidth of a large tensor copy measured in the same worker).
 
@@ -233,16 +235,28 @@ def sampler_worker(n: int, edges: int, seed: int) -> dict:
     }
 
 
-def step_worker(repeats: int = 15, seed: int = 0) -> dict:
+def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
+                worker_heap: bool = True) -> dict:
     """One training step of the ci-scale LRA model: SBM (default tuning), SBM with the
-    first implementation's sampler tuning, dense SDPA; interleaved, medians."""
+    first implementation's sampler tuning, dense SDPA; interleaved, medians of wall and
+    CPU time.  As the chapter's training workers run it: ``threads`` torch threads and,
+    with ``worker_heap``, the workers' heap setting
+    (:func:`companion.lra.experiments.keep_freed_memory`; without it: the process as
+    before that setting), the optimiser of :class:`companion.lra.train.TrainConfig`."""
     import torch
 
     from companion.lra.model import LRAClassifier
+    from companion.lra.train import TrainConfig
     from companion.sbm import FastRGTuning, density_regularizer
 
+    heap_set = False
+    if worker_heap:
+        from companion.lra.experiments import keep_freed_memory
+
+        heap_set = keep_freed_memory()
     batch, n, clusters = 32, 100, 32
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
+    config = TrainConfig(lr=1e-3, batch_size=batch)
     tokens = torch.randint(0, 3, (batch, n), generator=torch.Generator().manual_seed(seed))
     labels = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(seed + 1))
     first_tuning = FastRGTuning(cell_grid="clusters", cpu_poisson="torch",
@@ -256,7 +270,8 @@ def step_worker(repeats: int = 15, seed: int = 0) -> dict:
         if tuning is not None:
             for block in model.blocks:
                 block.attn.sbm.tuning = tuning
-        optimiser = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimiser = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                      eps=config.eps, weight_decay=config.weight_decay)
         models[name] = (model, optimiser, torch.Generator().manual_seed(seed + 2))
 
     def step(name):
@@ -264,23 +279,29 @@ def step_worker(repeats: int = 15, seed: int = 0) -> dict:
         logits, densities = model(tokens, generator=gen)
         loss = torch.nn.functional.cross_entropy(logits, labels)
         if name != "dense":
-            loss = loss + density_regularizer(densities, 1e-4)
+            loss = loss + density_regularizer(densities, config.lam)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
 
     times: dict = {name: [] for name in models}
+    cpu: dict = {name: [] for name in models}
     for name in models:  # warm-up
         step(name)
     for _ in range(repeats):
         for name in models:
+            cpu0 = time.process_time()
             times[name].append(call_seconds(lambda: step(name), repeats=1, warmup=0))
+            cpu[name].append(time.process_time() - cpu0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
     return {
-        "batch": batch, "n": n, "clusters": clusters, "repeats": repeats,
-        "step_s": med, "times_s": times,
+        "batch": batch, "n": n, "clusters": clusters, "repeats": repeats, "threads": threads,
+        "worker_heap": worker_heap, "worker_heap_set": heap_set,
+        "step_s": med, "times_s": times, "step_cpu_s": med_cpu,
         "sbm_over_dense": med["sbm"] / med["dense"],
         "sbm_first_over_dense": med["sbm_first"] / med["dense"],
+        "sbm_over_dense_cpu": med_cpu["sbm"] / med_cpu["dense"],
         "load_average": os.getloadavg(),
     }
 
@@ -313,6 +334,28 @@ def _spawn(args: list[str], timeout: float, strict_malloc: bool = False):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def step_benchmark(repeats: int, threads=(1, 2)) -> list[dict]:
+    """The training step at each thread count, as the chapter's workers run it and without
+    their heap setting (the process as before it), one worker process each; the first
+    entry is the chapter's setting (one thread, the workers' heap)."""
+    runs = []
+    for count in threads:
+        for heap in ("1", "0"):
+            res = _spawn(["step", str(repeats), str(count), heap], timeout=900)
+            res.setdefault("threads", count)
+            res.setdefault("worker_heap", heap == "1")
+            runs.append(res)
+            if "error" in res:
+                print(f"training step n=100, {count} thread(s): {res['error']}", flush=True)
+                continue
+            print(f"training step n=100, {count} thread(s), workers' heap {heap == '1'}: "
+                  f"SBM / dense {res['sbm_over_dense']:.2f} wall, "
+                  f"{res['sbm_over_dense_cpu']:.2f} CPU; first implementation / dense "
+                  f"{res['sbm_first_over_dense']:.2f} (load {res['load_average'][0]:.1f})",
+                  flush=True)
+    return runs
+
+
 def _available_bytes() -> int:
     with open("/proc/meminfo") as fh:
         for line in fh:
@@ -331,7 +374,7 @@ def main() -> None:
         if kind == "sampler":
             res = sampler_worker(int(rest[0]), int(rest[1]), 0)
         elif kind == "step":
-            res = step_worker(int(rest[0]))
+            res = step_worker(int(rest[0]), threads=int(rest[1]), worker_heap=rest[2] == "1")
         elif kind == "bandwidth":
             res = {"copy_bytes_per_s": copy_bandwidth_bytes_per_s()}
         else:
@@ -397,10 +440,8 @@ def main() -> None:
         )
         sampler.append(res)
 
-    step = _spawn(["step", "7" if args.quick else "15"], timeout=900)
-    if "error" not in step:
-        print(f"training step n=100: SBM / dense {step['sbm_over_dense']:.2f}, first "
-              f"implementation / dense {step['sbm_first_over_dense']:.2f}", flush=True)
+    steps = step_benchmark(7 if args.quick else 15)
+    step = steps[0]
     bandwidth = _spawn(["bandwidth"], timeout=300)
     summary = _summarise(rows, sampler, step, bandwidth)
     result = {
@@ -427,6 +468,7 @@ def main() -> None:
         "rows": rows,
         "sampler_sweep": sampler,
         "training_step": step,
+        "training_steps": steps,
         "bandwidth": bandwidth,
         "summary": summary,
         "wall_s": time.perf_counter() - started,
@@ -567,18 +609,24 @@ def _markdown(result) -> str:
                 lines.append(f"| {r['n']} | {r['density']:.0%} | {e['ns_per_edge']:.1f} | "
                              f"{e['attention_ns_per_edge']:.1f} | "
                              f"{r['edge_ns_over_bound']:.0f} |")
-    step = result.get("training_step") or {}
-    if _ok(step):
-        med = step["step_s"]
+    steps = [r for r in result.get("training_steps") or [] if _ok(r)]
+    if steps:
+        first = steps[0]
         lines += ["", "## One training step of the ci-scale LRA model (n = 100)", "",
-                  f"Batch {step['batch']}, n = {step['n']}, k = {step['clusters']}, "
-                  f"{step['repeats']} interleaved repeats, medians; load average "
-                  f"{step['load_average'][0]:.1f}.", "",
-                  "| model | step s | / dense |", "|---|---|---|",
-                  f"| SBM | {med['sbm']:.4f} | {step['sbm_over_dense']:.2f} |",
-                  f"| SBM, first implementation's sampler and edge path | "
-                  f"{med['sbm_first']:.4f} | {step['sbm_first_over_dense']:.2f} |",
-                  f"| dense (SDPA) | {med['dense']:.4f} | 1.00 |"]
+                  f"Batch {first['batch']}, n = {first['n']}, k = {first['clusters']}; "
+                  f"forward, backward and AdamW; {first['repeats']} interleaved repeats per "
+                  "worker process, medians of wall and CPU time. Workers' heap: "
+                  "`companion.lra.experiments.keep_freed_memory`, as the chapter's "
+                  "training workers run (no: the process as before it).", "",
+                  "| threads | workers' heap | SBM s | first implementation s | dense s "
+                  "| SBM / dense (wall) | SBM / dense (CPU) | first / dense | load |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in steps:
+            med = r["step_s"]
+            lines.append(f"| {r['threads']} | {'yes' if r['worker_heap'] else 'no'} | "
+                         f"{med['sbm']:.4f} | {med['sbm_first']:.4f} | {med['dense']:.4f} | "
+                         f"{r['sbm_over_dense']:.2f} | {r['sbm_over_dense_cpu']:.2f} | "
+                         f"{r['sbm_first_over_dense']:.2f} | {r['load_average'][0]:.1f} |")
     lines += ["", "## Edge time against edges at fixed n (log-log slope; 1 = linear)", ""]
     for n, slope in s["edge_time_slope_vs_edges"].items():
         lines.append(f"- n = {n}: {slope:.2f}")

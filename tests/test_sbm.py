@@ -806,3 +806,139 @@ def test_pair_counts_are_the_pair_grid_graph_and_reproducible(dtype, n, m):
     assert use_pair_grid(qm @ s, km)  # dense enough: the default takes this grid
     assert not use_pair_grid(qm @ s, km, FastRGTuning(key_grid_max_entries=2 * n * m - 1))
     assert not use_pair_grid(qm @ s * 1e-3, km)  # too sparse: fastRG's cells
+
+
+def _poisson_by_inversion_one_pass_at_a_time(rates, rng):
+    """The inversion as it was before its first pass ran over every candidate (commit
+    1894721): every pass over the undecided rates only, int64 counts."""
+    limit = 16.0
+    counts = np.zeros(rates.size, dtype=np.int64)
+    u = rng.random(rates.size)
+    large = rates > limit
+    has_large = bool(large.any())
+    candidate = u >= 1.0 - rates
+    if has_large:
+        candidate &= ~large
+    live = np.flatnonzero(candidate)
+    r = rates.take(live)
+    term = np.exp(-r)
+    rest = u.take(live) - term
+    passes = 0
+    while live.size:
+        keep = np.flatnonzero(rest >= 0)
+        live, r, term, rest = live.take(keep), r.take(keep), term.take(keep), rest.take(keep)
+        passes += 1
+        counts[live] = passes
+        if passes > 16 * limit:
+            break
+        term *= r
+        term /= passes
+        rest -= term
+    if has_large:
+        counts[large] = rng.poisson(rates[large])
+    return counts
+
+
+def test_poisson_by_inversion_is_bit_identical_to_one_pass_at_a_time():
+    """The inversion with its first pass over every candidate gives the counts of the
+    pass-at-a-time loop bit for bit, as int64 and as float32 / float64 numbers, and
+    leaves the stream where that loop left it: empty, zero, tiny, small, mixed and large
+    rates (through the switch to numpy's sampler above 16)."""
+    from companion.sbm.fastrg import _poisson_by_inversion
+
+    gen = np.random.Generator(np.random.PCG64(5))
+    cases = [np.zeros(0), np.zeros(7), np.full(1000, 1e-12), gen.uniform(0, 1e-8, 999),
+             gen.uniform(0, 1, 20001), gen.uniform(0.2, 0.3, 20000),
+             gen.exponential(0.01, 20000), np.full(5000, 15.999),
+             np.concatenate([gen.uniform(0, 40, 3001), [16.0, np.nextafter(16.0, 17), 0.0]])]
+    for rates in cases:
+        for seed in range(3):
+            old = np.random.Generator(np.random.PCG64(seed))
+            want = _poisson_by_inversion_one_pass_at_a_time(rates, old)
+            for dtype in (np.int64, np.float32, np.float64):
+                new = np.random.Generator(np.random.PCG64(seed))
+                got = _poisson_by_inversion(rates, new, dtype)
+                assert got.dtype == dtype
+                assert np.array_equal(got, want.astype(dtype))
+                assert new.bit_generator.state == old.bit_generator.state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("cpu_poisson", ["inversion", "torch"])
+def test_pair_counts_as_floats_equal_the_int64_counts(dtype, cpu_poisson):
+    """poisson_pair_counts(dtype=float) gives the int64 counts of the same seed as
+    numbers, on both Poisson sources; other dtypes are refused with the parameter named."""
+    qm, s, km = (t.to(dtype) for t in _random_sbm(9, 7, 3, heads=2, seed=4))
+    tuning = FastRGTuning(cpu_poisson=cpu_poisson)
+    gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    want = poisson_pair_counts(qm, s, km, gen(), tuning=tuning)
+    for count_dtype in (torch.float32, torch.float64, torch.float16):
+        got = poisson_pair_counts(qm, s, km, gen(), tuning=tuning, dtype=count_dtype)
+        assert got.dtype == count_dtype and torch.equal(got, want.to(count_dtype))
+    with pytest.raises(TypeError, match="dtype"):
+        poisson_pair_counts(qm, s, km, gen(), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("duplicates, self_loops, padded",
+                         [("keep", False, False), ("merge", False, True), ("keep", True, True)])
+def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplicates,
+                                                                  self_loops, padded):
+    """The pair-grid forward with the counts drawn as float weights and the absent-pair
+    bias from masked_fill gives the outputs, densities and every gradient of the former
+    path (int64 counts converted, bias ``(min(w, 1) - 1) 1e30``) bit for bit."""
+    from companion.sbm.fastrg import use_pair_grid as pair_grid
+    from companion.sbm.layer import _CountAttention, _DenseStraightThrough
+
+    torch.manual_seed(0)
+    batch, heads, n, d = 3, 2, 11, 4
+    layer = SBMAttention(d, heads, 3, duplicates=duplicates, self_loops=self_loops,
+                         dtype=dtype)
+    q, k, v = (torch.randn(batch, heads, n, d, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    if padded:
+        valid[0, -3:] = False
+    masks = dict(query_valid=valid, key_valid=valid) if padded else {}
+
+    def former():
+        qm, s, km = sbm_parameters(q, k, layer.cluster_embeddings, layer.mlp)
+        if padded:
+            qm = qm * valid[:, None, :, None].to(qm.dtype)
+            km = km * valid[:, None, :, None].to(km.dtype)
+        qs = qm @ s
+        assert pair_grid(qs.detach(), km.detach(), layer.tuning)
+        counts = poisson_pair_counts(qm.detach(), s.detach(), km.detach(),
+                                     torch.Generator().manual_seed(3), q_times_s=qs.detach())
+        if self_loops:
+            loops = torch.eye(n, dtype=torch.bool).expand(batch, n, n)
+            if padded:
+                loops = loops & valid[:, :, None] & valid[:, None, :]
+            counts = counts + loops[:, None].to(counts.dtype)
+        if duplicates == "merge":
+            counts = counts.clamp_(max=1)
+        groups = batch * heads
+        weights = counts.reshape(groups, n, n).to(dtype)
+        absent_bias = weights.clamp(max=1.0).sub_(1.0).mul_(1e30)
+        weights = _DenseStraightThrough.apply(qs.reshape(groups, n, -1),
+                                              km.reshape(groups, n, -1), weights)
+        out = _CountAttention.apply(q.reshape(groups, n, d), k.reshape(groups, n, d),
+                                    v.reshape(groups, n, d), weights, absent_bias,
+                                    1.0 / math.sqrt(d)).reshape(batch, heads, n, d)
+        pairs = (valid.sum(1).to(dtype) ** 2).clamp(min=1)
+        return out, weights.sum((1, 2)).reshape(batch, heads) / pairs[:, None]
+
+    def now():
+        return layer(q, k, v, generator=torch.Generator().manual_seed(3), **masks)
+
+    results = []
+    for run in (former, now):
+        out, density = run()
+        params = [q, k, v, *layer.parameters()]
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, d, dtype=dtype)).sum()
+                                    + 10 * density.sum(), params)
+        results.append((out, density, grads))
+    (out0, dens0, grads0), (out1, dens1, grads1) = results
+    assert torch.equal(out0, out1) and torch.equal(dens0, dens1)
+    for g0, g1 in zip(grads0, grads1):
+        assert torch.equal(g0, g1)

@@ -34,6 +34,9 @@ CPU_POISSON_SOURCES = ("inversion", "torch")
 # rates above this get numpy's own Poisson sampler (transformed rejection) instead of
 # inversion, whose number of passes grows with the rate
 _INVERSION_MAX_RATE = 16.0
+# count dtypes the inversion writes directly (others are converted from int64)
+_NUMPY_COUNT_DTYPES = {torch.int64: np.int64, torch.float32: np.float32,
+                       torch.float64: np.float64}
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,7 @@ def poisson_pair_counts(
     *,
     tuning: FastRGTuning = DEFAULT_TUNING,
     q_times_s: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """``A ~ Poisson(P)`` as a dense count matrix: one count per (query, key) pair.
 
@@ -315,12 +319,18 @@ def poisson_pair_counts(
     the edge list: for the same generator state and tuning, ``fastrg_sample(...,
     tuning=replace(tuning, cell_grid="keys"))`` returns exactly the pairs with a positive
     count here, each repeated by its count (``duplicates="keep"``).  For small or dense
-    graphs, where ``n m`` is within a small factor of the expected edges; the arguments
-    are those of :func:`fastrg_sample`.
+    graphs, where ``n m`` is within a small factor of the expected edges; the other
+    arguments are those of :func:`fastrg_sample`.
+
+    Parameters
+    ----------
+    dtype : ``torch.int64`` (default) or a floating dtype: the same counts as numbers of
+        that dtype (the weights :class:`companion.sbm.SBMAttention` attends with, without
+        a conversion pass; rounded as converting the int64 counts would round them).
 
     Returns
     -------
-    counts : int64, ``[n, m]`` or ``[B, H, n, m]``.
+    counts : ``[n, m]`` or ``[B, H, n, m]``, of ``dtype``.
 
     Complexity
     ----------
@@ -335,6 +345,9 @@ def poisson_pair_counts(
     (torch.Size([5, 7]), torch.int64)
     """
     _check_options("keep", False, generator, tuning)
+    if not isinstance(dtype, torch.dtype) or not (dtype == torch.int64
+                                                  or dtype.is_floating_point):
+        raise TypeError(f"dtype: expected torch.int64 or a floating dtype, got {dtype!r}")
     qm, sg, km, batch_shape, q_times_s = _checked_groups(
         q_membership, s, k_membership, q_times_s)
     num_groups, n, _ = qm.shape
@@ -343,7 +356,7 @@ def poisson_pair_counts(
         qm, sg, km = qm.detach(), sg.detach(), km.detach()
         draws = _RandomSource(qm.device, generator, tuning.cpu_uniforms, tuning.cpu_poisson)
         q_times_s = _q_times_s(qm, sg, q_times_s)
-        blocks = list(_key_grid_blocks(q_times_s, km, draws, tuning))
+        blocks = list(_key_grid_blocks(q_times_s, km, draws, tuning, dtype))
         counts = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return counts.reshape(*batch_shape, n, m)
 
@@ -416,10 +429,10 @@ def _use_key_grid(q_times_s: torch.Tensor, k_mass: torch.Tensor, pairs: int,
 
 
 def _key_grid_blocks(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSource,
-                     tuning: FastRGTuning):
+                     tuning: FastRGTuning, dtype: torch.dtype = torch.int64):
     """Per block of groups (``tuning.table_block_entries`` pairs, at least one group):
-    the flat int64 counts ``N_ij ~ Poisson(P_ij)`` of its pairs in (group, query, key)
-    order, with ``P = (Qhat S) Khat^T`` formed for that block only."""
+    the flat counts ``N_ij ~ Poisson(P_ij)`` (``dtype``) of its pairs in (group, query,
+    key) order, with ``P = (Qhat S) Khat^T`` formed for that block only."""
     num_groups, n, _ = q_times_s.shape
     m = km.shape[1]
     groups_per_block = max(1, tuning.table_block_entries // (n * m))
@@ -432,7 +445,7 @@ def _key_grid_blocks(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSo
         p = p.to(torch.float64)
         if not bool(torch.isfinite(p.sum())):
             raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
-        yield draws.poisson(p)
+        yield draws.poisson(p, dtype)
 
 
 def _key_grid_edges(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSource,
@@ -591,31 +604,39 @@ class _RandomSource:
             return torch.from_numpy(np.flatnonzero(mask.numpy()))
         return torch.nonzero(mask).squeeze(1)
 
-    def poisson(self, rates: torch.Tensor) -> torch.Tensor:
-        """Independent ``Poisson(rates)`` counts (int64) for a 1-D float64 tensor."""
+    def poisson(self, rates: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Independent ``Poisson(rates)`` counts for a 1-D float64 tensor, as int64 or as
+        numbers of the floating ``dtype`` (the same counts, rounded as a conversion from
+        int64 would round them)."""
         if self.inversion:
-            return torch.from_numpy(_poisson_by_inversion(rates.numpy(), self.rng))
-        return torch.poisson(rates, generator=self.generator).to(torch.int64)
+            # float32 / float64 written directly; other dtypes converted from int64
+            np_dtype = _NUMPY_COUNT_DTYPES.get(dtype, np.int64)
+            counts = torch.from_numpy(_poisson_by_inversion(rates.numpy(), self.rng, np_dtype))
+            return counts.to(dtype)
+        return torch.poisson(rates, generator=self.generator).to(dtype)
 
 
-def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Independent ``Poisson(rates)`` counts (int64) from one PCG64 uniform per rate.
+def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
+                          dtype=np.int64) -> np.ndarray:
+    """Independent ``Poisson(rates)`` counts from one PCG64 uniform per rate.
 
     Inversion: the count is the least ``c`` with ``u < F(c) = sum_{i <= c} e^{-r}
-    r^i / i!``, found by subtracting the terms from ``u`` one pass at a time over the
-    rates still undecided.  ``e^{-r} >= 1 - r`` decides most zero counts of small rates
-    without an exponential (``u < 1 - r``).  Rates above 16 (many passes) take numpy's
-    own sampler instead, after the uniforms, so the stream stays in a fixed order.
-    Exact up to float64 rounding of ``F`` (about ``1e-16`` in probability).
+    r^i / i!``, found by subtracting the terms from ``u`` one pass at a time.  ``e^{-r}
+    >= 1 - r`` decides most zero counts of small rates without an exponential (``u < 1 -
+    r``).  The first pass runs over every remaining rate (most of them have a count of at
+    least one), the later ones over the rates still undecided.  Rates above 16 (many
+    passes) take numpy's own sampler instead, after the uniforms, so the stream stays in a
+    fixed order.  Exact up to float64 rounding of ``F`` (about ``1e-16`` in probability).
+    ``dtype``: of the counts (int64, or a float dtype that holds them as numbers).
 
     >>> rng = np.random.Generator(np.random.PCG64(0))
     >>> _poisson_by_inversion(np.array([0.0, 0.5, 40.0]), rng).dtype
     dtype('int64')
     """
-    counts = np.zeros(rates.size, dtype=np.int64)
     u = rng.random(rates.size)
-    large = rates > _INVERSION_MAX_RATE
-    has_large = bool(large.any())
+    # not "max <= limit": also true where a rate is NaN, as the element-wise test below
+    has_large = bool(rates.size) and not rates.max() <= _INVERSION_MAX_RATE
+    large = rates > _INVERSION_MAX_RATE if has_large else None
     candidate = u >= 1.0 - rates  # u < 1 - r <= e^{-r}: count 0
     if has_large:
         candidate &= ~large
@@ -623,8 +644,15 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator) -> np.nda
     del candidate
     r = rates.take(live)
     term = np.exp(-r)
-    rest = u.take(live) - term  # u - F(0)
-    passes = 0
+    rest = u.take(live)
+    rest -= term  # u - F(0)
+    del u
+    # pass 1 over every candidate: counts >= 1 where u >= F(0)
+    counts = np.zeros(rates.size, dtype=dtype)
+    counts[live] = rest >= 0
+    passes = 1
+    term *= r
+    rest -= term  # u - F(1)
     while live.size:
         keep = np.flatnonzero(rest >= 0)  # u >= F(c): the count is above c
         # take with indices: several times faster than four boolean-mask selections

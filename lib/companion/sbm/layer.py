@@ -408,8 +408,11 @@ class SBMAttention(nn.Module):
         batch, heads, n = q.shape[:3]
         m = k.shape[2]
         num_groups = batch * heads
+        acc = torch.promote_types(q.dtype, torch.float32)
+        # the counts as the attention's weights directly (no int64 -> float pass)
         counts = poisson_pair_counts(q_membership.detach(), s.detach(), k_membership.detach(),
-                                     generator, tuning=self.tuning, q_times_s=qs.detach())
+                                     generator, tuning=self.tuning, q_times_s=qs.detach(),
+                                     dtype=acc)
         if self.self_loops:
             if n != m:
                 raise ValueError(
@@ -422,11 +425,10 @@ class SBMAttention(nn.Module):
             counts = counts + loops[:, None].to(counts.dtype)
         if self.duplicates == "merge":
             counts = counts.clamp_(max=1)
-        counts = counts.reshape(num_groups, n, m)
+        weights = counts.reshape(num_groups, n, m)
         qs2 = qs.reshape(num_groups, n, -1)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        weights = counts.to(acc)
-        absent_bias = weights.clamp(max=1.0).sub_(1.0).mul_(1e30)  # -1e30 or 0
+        # -1e30 where a pair is absent, else 0
+        absent_bias = torch.zeros_like(weights).masked_fill_(weights == 0, -1e30)
         weights = _DenseStraightThrough.apply(
             qs2, k_membership.reshape(num_groups, m, -1), weights)
         out = _CountAttention.apply(
@@ -439,7 +441,7 @@ class SBMAttention(nn.Module):
             return out, density
         flat = counts.reshape(-1)
         pair = torch.nonzero(flat).squeeze(1)
-        pair = pair.repeat_interleave(flat[pair])
+        pair = pair.repeat_interleave(flat[pair].to(torch.int64))
         row = torch.div(pair, m, rounding_mode="floor")
         edges = (torch.div(row, n, rounding_mode="floor"), row % n, pair % m)
         return out, density, edges
