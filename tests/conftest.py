@@ -74,6 +74,40 @@ def demo_project_after_one_run(parent: Path):
     return project
 
 
+def copy_project(project, root: Path):
+    """A copy of ``project`` at ``root`` (its links kept as links), with what it ran."""
+    from companion.book.runner import Project
+
+    shutil.copytree(project.root, root, symlinks=True)
+    return Project(root)
+
+
+@pytest.fixture(scope="session")
+def demo_ran_once(tmp_path_factory):
+    """The demo project after one good run at smoke scale, made once per pytest run and
+    shared by the workers (as :func:`smoke_book`). Read-only: tests take a copy
+    (:func:`ran_demo_project`), so each starts from the same good published run."""
+    import filelock
+
+    from companion.book.runner import Project
+
+    shared = _run_shared_folder(tmp_path_factory)
+    folder = shared / "demo-ran-once"
+    with filelock.FileLock(str(shared / "demo-ran-once.lock")):
+        if not (folder / "done").exists():  # written once the run succeeded
+            shutil.rmtree(folder, ignore_errors=True)
+            demo_project_after_one_run(folder)
+            (folder / "done").write_text("")
+    return Project(folder / "book-project")
+
+
+@pytest.fixture
+def ran_demo_project(demo_ran_once, tmp_path):
+    """A demo project whose chapter has run once at smoke scale: a copy of the one run of
+    this pytest run, so that a test that starts from a good run needs no run of its own."""
+    return copy_project(demo_ran_once, tmp_path / "book-project")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a test module of small problems (restored afterwards)."""

@@ -41,9 +41,8 @@ def test_environment_yml_pins_equal_pyproject():
     assert "python=3.11" in env["dependencies"]
 
 
-def test_generated_pages_list_figures_and_claims(demo_project):
-    p = demo_project
-    assert runner.run_chapter(p, "demo", scale="smoke", echo=_quiet).status == "ok"
+def test_generated_pages_list_figures_and_claims(ran_demo_project):
+    p = ran_demo_project  # a copy of this pytest run's one good demo run at smoke scale
     index = pages.figure_index(p)
     # The chapter's heading gives the scale it ran at, and how to run it at the paper's.
     head, table = index.split("## 1. Demo chapter \u00b7 scale `smoke`")
@@ -248,10 +247,9 @@ def test_cite_line_links_every_file_and_folds_the_entry():
 
 
 @pytest.mark.skipif(not mathjax_available(), reason="local MathJax missing: run make setup")
-def test_built_book_passes_browser_check(demo_project):
+def test_built_book_passes_browser_check(ran_demo_project):
     require_browser()
-    p = demo_project
-    assert runner.run_chapter(p, "demo", scale="smoke", echo=_quiet).status == "ok"
+    p = ran_demo_project  # a copy of this pytest run's one good demo run at smoke scale
     html = runner.build_html(p, echo=_quiet)
     assert html.exists()
     page = (p.build_dir / "html" / "book" / "_generated" / "chapters" / "demo.html").read_text()

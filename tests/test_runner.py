@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -56,23 +55,10 @@ def test_resolve_parameters_errors(overrides, match):
         runner.resolve_parameters(DEFAULTS, overrides)
 
 
-@pytest.fixture(scope="module")
-def _demo_run_once(tmp_path_factory):
-    from conftest import demo_project_after_one_run
-
-    return demo_project_after_one_run(tmp_path_factory.mktemp("demo-ran"))
+# ran_demo_project (conftest): a copy of the one good demo run of this pytest run
 
 
-@pytest.fixture
-def ran_demo_project(_demo_run_once, tmp_path):
-    """A demo project whose chapter has run once at smoke scale: a copy of one run per
-    module, so that a test that starts from a good run needs no run of its own."""
-    root = tmp_path / "book-project"
-    shutil.copytree(_demo_run_once.root, root, symlinks=True)
-    return runner.Project(root)
-
-
-def test_run_success_cache_and_force(demo_project):
+def test_run_success_cache_force_and_the_pages_parameters_cell(demo_project):
     p = demo_project
     res = run_chapter(p, "demo", scale="smoke", echo=quiet)
     assert res.status == "ok", res.error
@@ -100,8 +86,13 @@ def test_run_success_cache_and_force(demo_project):
     forced = run_chapter(p, "demo", scale="smoke", force=True, echo=quiet)
     assert forced.status == "ok"
     assert (p.assets("demo") / "figures" / "demo-random-walk.png").read_bytes() == png
+    # run again (forced): still one install cell, one scale banner, one run box
+    nb = json.loads(p.notebook("demo").read_text())
+    for tag in (runner.INSTALL_TAG, runner.SCALE_TAG, runner.BOX_TAG):
+        assert sum(tag in c["metadata"].get("tags", []) for c in nb["cells"]) == 1, tag
     assert run_chapter(p, "demo", scale="smoke", overrides={"n": "21"},
                        echo=quiet).status == "ok", "a new parameter value is a cache miss"
+    _assert_page_shows_one_parameters_cell_with_n_21(p)
 
 
 def test_source_change_is_a_cache_miss(ran_demo_project):
@@ -124,6 +115,9 @@ def test_failure_keeps_previous_outputs_marked_stale(ran_demo_project):
     # The demo's compute cell is the chapter's 3rd code cell: name cell and exception.
     assert "raised RuntimeError: deliberate failure for the tests" in res.error
     assert res.error.startswith("cell ")
+    # The reported cell number is the cell of the chapter as written (1-based).
+    number = int(res.error.split()[1])
+    assert "deliberate failure" in runner.read_notebook(p.source("demo")).cells[number - 1].source
     assert any(line.startswith("[FAILED") and "demo" in line for line in lines)
     assert png_path.read_bytes() == before, "previous good figure kept"
     nb = json.loads(p.notebook("demo").read_text())
@@ -138,15 +132,6 @@ def test_failure_keeps_previous_outputs_marked_stale(ran_demo_project):
     assert run_chapter(p, "demo", scale="smoke", echo=quiet).status == "ok"
     nb = json.loads(p.notebook("demo").read_text())
     assert not [c for c in nb["cells"] if runner.STALE_TAG in c["metadata"].get("tags", [])]
-
-
-def test_failed_cell_number_counts_chapter_cells(demo_project):
-    """The reported cell number is the cell of the chapter as written (1-based)."""
-    p = demo_project
-    res = run_chapter(p, "demo", scale="smoke", overrides={"fail_at": "compute"}, echo=quiet)
-    nb = runner.read_notebook(p.source("demo"))
-    number = int(res.error.split()[1])
-    assert "deliberate failure" in nb.cells[number - 1].source
 
 
 # The longest a command of a test may take (it would otherwise hang the suite).
@@ -254,9 +239,10 @@ def test_effective_parameters_source_keeps_comments_and_layout():
     assert runner.effective_parameters_source("", {}) == ""
 
 
-def test_page_shows_one_parameters_cell_with_the_effective_values(demo_project):
-    p = demo_project
-    assert run_chapter(p, "demo", scale="smoke", overrides={"n": "21"}, echo=quiet).status == "ok"
+def _assert_page_shows_one_parameters_cell_with_n_21(p):
+    """The page of a run with ``-p n 21`` (the last run of
+    test_run_success_cache_force_and_the_pages_parameters_cell) shows one parameters
+    cell, papermill's, with the effective values."""
     nb = json.loads(p.notebook("demo").read_text())
 
     def tags(c):
@@ -319,11 +305,7 @@ def test_page_has_install_cell_banner_and_box_in_order(ran_demo_project):
     assert order == [runner.SCALE_TAG, runner.BOX_TAG]
     assert "".join(nb["cells"][1]["source"]) == "# Demo chapter"
     assert runner.SCALE_TAG in nb["cells"][2]["metadata"]["tags"]
-    # run again (forced): still one of each
-    assert run_chapter(p, "demo", scale="smoke", force=True, echo=quiet).status == "ok"
-    nb = json.loads(p.notebook("demo").read_text())
-    for tag in (runner.INSTALL_TAG, runner.SCALE_TAG, runner.BOX_TAG):
-        assert sum(tag in c["metadata"].get("tags", []) for c in nb["cells"]) == 1, tag
+    # (a forced re-run still has one of each: test_run_success_cache_and_force)
 
 
 def test_install_cell_installs_the_commit_and_corpora_extras():
