@@ -207,6 +207,36 @@ def test_velocity_and_simulate_read_the_same_step_bit_for_bit():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+def test_every_step_of_simulate_reads_a_fresh_step_bit_for_bit(dtype, blocks):
+    """simulate makes the kernel's layout once and reuses its views and buffers (the Itô
+    head sums keep the zeros of the entries row blocks never write): at every recorded
+    state its numbers are those of a fresh step_quantities call, bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    n, H = 19, 4
+    x = gf.octahedral_tokens(n, paths=3, generator=g).to(dtype)
+    D = gf.initial_weights(H, 3, g, paths=3).to(dtype)
+    tuning = gf.KernelTuning(block_elements=5 * n * H if blocks else None)
+    process = gf.OrnsteinUhlenbeck()
+    dt, steps = 0.01, 5
+    traj = gf.simulate(x, D, process, T=steps * dt, dt=dt, record_weights=True,
+                       generator=torch.Generator().manual_seed(2), tuning=tuning)
+    assert traj.positions.shape[0] == steps + 1
+    noise_draws = torch.Generator().manual_seed(2)  # simulate's draws, step by step
+    for k in range(steps + 1):
+        w, noise = traj.weights[k], None
+        if k < steps:
+            z = torch.randn(w.shape, generator=noise_draws, dtype=dtype)
+            noise = math.sqrt(dt) * (z + z.transpose(-1, -2)) / 2
+        q = gf.step_quantities(traj.positions[k], w, drift=process.drift(w, 0.0),
+                               sigma=process.sigma, noise=noise, tuning=tuning)
+        for key in ("energy", "energy_rate", "slope_sq", "dissipation"):
+            assert torch.equal(getattr(traj, key)[k], q[key]), (k, key)
+        if k == 0:  # the running sum starts at 0: its first term is the increment
+            assert torch.equal(traj.martingale[1], q["martingale_increment"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_drift_symmetric_to_rounding_is_accepted_in_both_dtypes(dtype):
     """A drift Q diag Q^T is symmetric up to the dtype's rounding, like weights built the
     same way: both are accepted; a really asymmetric drift is refused in both dtypes."""
@@ -450,6 +480,24 @@ def test_w2_sphere_batch_on_two_threads_equals_item_by_item():
     assert torch.equal(batched, single)
 
 
+@pytest.mark.parametrize("d", [2, 3, 7, 8, 9])
+def test_pairwise_distances_are_numpys_norm_bit_for_bit(d):
+    """w2_sphere's distances (squares added one coordinate at a time below 8 coordinates)
+    equal np.linalg.norm of the differences bit for bit, at odd and empty sizes."""
+    from companion.gradient_flow.analysis import _pairwise_distances
+
+    rng = np.random.default_rng(d)
+    for n, m in [(0, 3), (1, 1), (7, 5), (33, 33)]:
+        x = rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-6, 2)
+        y = x[:m] + 1e-7 * rng.standard_normal((min(n, m), d)) if n >= m else \
+            rng.standard_normal((m, d))
+        expected = np.linalg.norm(x[:, None, :] - y[None, :, :], axis=-1)
+        got = _pairwise_distances(x, y)
+        assert got.shape == (n, y.shape[0])
+        assert np.array_equal(got, expected)
+        assert np.array_equal(got ** 2, expected ** 2)
+
+
 def test_sign_plus_clusters_and_minus_spreads():
     g = torch.Generator().manual_seed(9)
     n = 32
@@ -636,6 +684,40 @@ def test_simulate_many_on_two_processes_equals_one_simulate_per_run():
         for key in TRAJECTORY_FIELDS:
             assert torch.equal(getattr(a, key), getattr(b, key)), key
         assert torch.equal(ga.get_state(), gb.get_state())
+
+
+def test_simulate_many_keeps_its_workers_and_replaces_a_stopped_pool():
+    """The worker processes outlive a call (a chapter calls simulate_many several times;
+    starting them costs seconds), ignore an interrupt sent to their process group, and a
+    pool that was stopped (as after an error or an interrupt) is replaced by a fresh one
+    with the same results."""
+    import os
+    import signal
+
+    from companion.gradient_flow import simulation
+
+    g = torch.Generator().manual_seed(3)
+    run = dict(tokens=gf.octahedral_tokens(7, paths=2, generator=g),
+               weights=gf.initial_weights(2, 3, g, paths=2), process=gf.Frozen(),
+               T=0.02, dt=0.01)
+    first = gf.simulate_many([run], workers=2)[0]
+    pool = simulation._PROCESS_POOLS[2]
+    pids = {p.pid for p in pool._processes.values()}
+    pid = pool.submit(os.getpid).result()  # a worker past its initialiser
+    assert pid in pids
+    os.kill(pid, signal.SIGINT)  # ignored by the worker
+    second = gf.simulate_many([run, run], workers=2)
+    assert simulation._PROCESS_POOLS[2] is pool
+    assert {p.pid for p in pool._processes.values()} == pids
+    processes = list(pool._processes.values())
+    simulation._stop_pool(2)
+    assert not any(process.is_alive() for process in processes)
+    third = gf.simulate_many([run], workers=2)[0]
+    assert simulation._PROCESS_POOLS[2] is not pool
+    for key in TRAJECTORY_FIELDS:
+        for other in (second[0], second[1], third):
+            a, b = getattr(first, key), getattr(other, key)
+            assert (a is None and b is None) or torch.equal(a, b), key
 
 
 TRAJECTORY_FIELDS = ("times", "positions", "weights", "energy", "energy_rate", "slope_sq",

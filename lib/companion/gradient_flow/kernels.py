@@ -92,14 +92,16 @@ def _unshifted_exp_limit(dtype: torch.dtype, n: int, heads: int) -> float:
 
 
 class _Scratch:
-    """Scratch tensors reused by every step of one simulation.
+    """Scratch tensors and kernel plans reused by every step of one simulation.
 
     The same memory each step: no page faults for fresh pages and caches stay warm. A
-    buffer is replaced when the shape, dtype or device asked for changes.
+    buffer is replaced when the shape, dtype or device asked for changes; a plan
+    (:class:`_SymmetricPlan`) is kept per layout.
     """
 
     def __init__(self):
         self._tensors = {}
+        self.plans = {}
 
     def get(self, name: str, shape: tuple, kw: dict) -> torch.Tensor:
         t = self._tensors.get(name)
@@ -111,6 +113,103 @@ class _Scratch:
 
 def _empty(scratch: _Scratch | None, name: str, shape: tuple, kw: dict) -> torch.Tensor:
     return torch.empty(shape, **kw) if scratch is None else scratch.get(name, shape, kw)
+
+
+class _SymmetricPlan:
+    """One layout of :func:`_symmetric_exp_moments`: its tensors and every view its kernel
+    calls read and write, made once.
+
+    A step copies the tokens in and then only launches the kernels, about six per block of
+    rows (the views, slices and reshapes of a block were about 20 more tensor calls per
+    block and step). The calls, their shapes and their operands' offsets are those of the
+    unplanned loop, so the numbers are the same bit for bit.
+
+    ``tasks[t]`` lists the blocks of task ``t`` (one path in row blocks, or a group of paths
+    as whole matrices), bound to the buffers of worker ``t % workers``.
+    """
+
+    def __init__(self, P, n, d, H, rows, group, workers, with_ito, kw, tokens=None):
+        self.rows, self.workers, self.with_ito = rows, workers, with_ito
+        # the tokens themselves (one call), or a buffer each step's tokens are copied into
+        self.tokens = torch.empty((P, n, d), **kw) if tokens is None else tokens
+        # queries[p, a, i, h] = log2(e) (D_h x_i)_a: computed once, read by every key block
+        self.queries = torch.empty((P, d, n, H), **kw)
+        self.values_t = torch.empty((P, d + 1, n), **kw)  # [1, x_j] per key
+        self.values_t[:, 0] = 1.0
+        self.sums = torch.empty((P, n, d + 1, H), **kw)
+        # [p, j, i]; with row blocks the entries j < min I of i's block I are never
+        # written and stay 0 (the Itô product keeps them 0: its weights are finite)
+        self.head_sums = torch.zeros((P, n, n), **kw) if with_ito else None
+        self.ito_weights = torch.empty((P, n, n), **kw) if with_ito else None
+        self.pair_factor = None
+        if with_ito and rows < n:  # a pair in two different blocks is computed once
+            block = torch.arange(n, device=kw["device"]) // rows  # and counts twice
+            self.pair_factor = torch.where(block[:, None] == block[None, :], 1.0,
+                                           2.0).to(kw["dtype"])
+        if rows == n:
+            tasks = [slice(p0, min(P, p0 + group)) for p0 in range(0, P, group)]
+        else:
+            tasks = [slice(p, p + 1) for p in range(P)]
+        workers = max(1, min(workers, len(tasks)))
+        self.workers = workers
+        buffers = [(torch.empty((group * n * rows * H,), **kw),
+                    torch.empty((group * (d + 1) * rows * H,), **kw)) for _ in range(workers)]
+        self.tasks = []
+        for t, ps in enumerate(tasks):
+            buffer, row_buffer = buffers[t % workers]
+            if rows == n:
+                self.tasks.append([self._whole(ps, buffer, row_buffer, n, d, H)])
+            else:
+                self.tasks.append([self._block(ps.start, i0, buffer, row_buffer, n, d, H)
+                                   for i0 in range(0, n, rows)])
+
+    def _whole(self, ps, buffer, row_buffer, n, d, H):
+        g = ps.stop - ps.start
+        u = buffer[:g * n * n * H].view(g, n, n * H)  # u[., j, i H + h] = U^h_ij
+        r = row_buffer[:g * (d + 1) * n * H].view(g, d + 1, n * H)
+        return ("whole", self.tokens[ps], self.queries[ps].reshape(g, d, n * H), u,
+                self.values_t[ps], r, self.sums[ps], r.view(g, d + 1, n, H).transpose(1, 2),
+                u.view(g, n, n, H), None if self.head_sums is None else self.head_sums[ps])
+
+    def _block(self, p, i0, buffer, row_buffer, n, d, H):
+        i1 = min(n, i0 + self.rows)
+        c, m = i1 - i0, n - i0
+        x_p, q_p, v_p, s_p = self.tokens[p], self.queries[p], self.values_t[p], self.sums[p]
+        u = buffer[:m * c * H].view(m, c * H)  # u[j, i H + h] = U^h_ij, j >= i0
+        r = row_buffer[:(d + 1) * c * H].view(d + 1, c * H)
+        u3 = u.view(m, c, H)
+        handed = None
+        if i1 < n:  # U^h_ji = U^h_ij: the block's exponentials serve the rows j >= i1
+            handed = (s_p[i1:], v_p[:, i0:i1].expand(m - c, d + 1, c), u3[c:],
+                      0.0 if i0 == 0 else 1.0)
+        return ("block", x_p[i0:], q_p[:, i0:i1].reshape(d, c * H), u, v_p[:, i0:], r,
+                s_p[i0:i1], r.view(d + 1, c, H).transpose(0, 1), u3,
+                None if self.head_sums is None else self.head_sums[p, i0:, i0:i1],
+                i0 == 0, handed)
+
+    def run(self, t):
+        """The kernels of task ``t``."""
+        for op in self.tasks[t]:
+            if op[0] == "whole":
+                _, x, q, u, v, r, s, r_t, u4, hs = op
+                torch.bmm(x, q, out=u).exp2_()
+                torch.bmm(v, u, out=r)
+                s.copy_(r_t)
+                if hs is not None:
+                    torch.sum(u4, -1, out=hs)
+            else:
+                _, x, q, u, v, r, s, r_t, u3, hs, first, handed = op
+                torch.mm(x, q, out=u).exp2_()
+                torch.mm(v, u, out=r)
+                if first:
+                    s.copy_(r_t)
+                else:  # rows of earlier blocks have handed over their part already
+                    s.add_(r_t)
+                if hs is not None:
+                    torch.sum(u3, -1, out=hs)
+                if handed is not None:
+                    target, v_block, u_after, beta = handed
+                    target.baddbmm_(v_block, u_after, beta=beta)
 
 
 def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | None = None,
@@ -131,7 +230,8 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
     ``j`` beyond the block. Per step: ``P H n (n + c) / 2`` exponentials for blocks of
     ``c`` rows, ``O(P H n d)`` memory besides one block per worker. Paths are independent:
     ``workers`` threads (each on one intra-op thread) take disjoint sets of paths, and every
-    path's numbers are the same whatever the number of workers.
+    path's numbers are the same whatever the number of workers. With ``scratch`` the
+    layout (:class:`_SymmetricPlan`) is made once and reused by every step.
     """
     P, n, d = tokens.shape
     H = weights.shape[1]
@@ -144,83 +244,42 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
     # little work: whole matrices, paths in groups (fewer calls)
     if planned * n * n * H <= 4 * target:
         rows, group = n, max(1, min(P, target // (n * n * H)))
-        tasks = [slice(p0, min(P, p0 + group)) for p0 in range(0, P, group)]
     else:  # blocks of rows; at least three, or symmetry saves little
         rows, group = max(1, min(target // (n * H), -(-n // 3))), 1
-        tasks = [slice(p, p + 1) for p in range(P)]
-    workers = max(1, min(workers, len(tasks)))
     kw = {"dtype": tokens.dtype, "device": tokens.device}
-    # queries[p, a, i, h] = log2(e) (D_h x_i)_a: computed once, read by every key block
+    key = (P, n, d, H, rows, group, workers, with_ito, tokens.dtype, tokens.device)
+    if scratch is None:  # one call: views of the tokens given
+        plan = _SymmetricPlan(P, n, d, H, rows, group, workers, with_ito, kw, tokens)
+    else:  # every step of a simulation: the same views, the tokens copied in
+        plan = scratch.plans.get(key)
+        if plan is None:
+            plan = scratch.plans[key] = _SymmetricPlan(P, n, d, H, rows, group, workers,
+                                                       with_ito, kw)
+        plan.tokens.copy_(tokens)
     scaled = (weights * _LOG2E).permute(0, 2, 3, 1)  # [P, d, d, H]
-    queries = torch.matmul(tokens.unsqueeze(1), scaled,
-                           out=_empty(scratch, "queries", (P, d, n, H), kw))
-    values_t = _empty(scratch, "values", (P, d + 1, n), kw)  # [1, x_j] per key
-    values_t[:, 0] = 1.0
-    values_t[:, 1:] = tokens.transpose(1, 2)
-    sums = _empty(scratch, "sums", (P, n, d + 1, H), kw)
-    head_sums = _empty(scratch, "head_sums", (P, n, n), kw) if with_ito else None  # [p, j, i]
-    if with_ito and rows < n:
-        head_sums.zero_()  # entries j < min I of i's block I stay 0
+    torch.matmul(plan.tokens.unsqueeze(1), scaled, out=plan.queries)
+    plan.values_t[:, 1:] = plan.tokens.transpose(1, 2)
 
-    def whole(ps, buffer, row_buffer):
-        g = ps.stop - ps.start
-        u = buffer[:g * n * n * H].view(g, n, n * H)  # u[., j, i H + h] = U^h_ij
-        torch.bmm(tokens[ps], queries[ps].reshape(g, d, n * H), out=u).exp2_()
-        r = row_buffer[:g * (d + 1) * n * H].view(g, d + 1, n * H)
-        torch.bmm(values_t[ps], u, out=r)
-        sums[ps] = r.view(g, d + 1, n, H).transpose(1, 2)
-        if with_ito:
-            torch.sum(u.view(g, n, n, H), -1, out=head_sums[ps])
-
-    def blocks(ps, buffer, row_buffer):
-        p = ps.start
-        x_p, q_p, v_p, s_p = tokens[p], queries[p], values_t[p], sums[p]
-        for i0 in range(0, n, rows):
-            i1 = min(n, i0 + rows)
-            c, m = i1 - i0, n - i0
-            u = buffer[:m * c * H].view(m, c * H)  # u[j, i H + h] = U^h_ij, j >= i0
-            torch.mm(x_p[i0:], q_p[:, i0:i1].reshape(d, c * H), out=u).exp2_()
-            r = row_buffer[:(d + 1) * c * H].view(d + 1, c * H)
-            torch.mm(v_p[:, i0:], u, out=r)
-            r = r.view(d + 1, c, H).transpose(0, 1)
-            if i0 == 0:
-                s_p[:i1] = r
-            else:  # rows of earlier blocks have handed over their part already
-                s_p[i0:i1] += r
-            u = u.view(m, c, H)
-            if with_ito:
-                torch.sum(u, -1, out=head_sums[p, i0:, i0:i1])
-            if i1 < n:  # U^h_ji = U^h_ij: the block's exponentials serve the rows j >= i1
-                s_p[i1:].baddbmm_(v_p[:, i0:i1].expand(m - c, d + 1, c), u[c:],
-                                  beta=0.0 if i0 == 0 else 1.0)
-
-    run = whole if rows == n else blocks
-
-    def work(w):  # worker w: tasks w, w + workers, ...; its own block buffers
-        buffer = _empty(scratch, f"block{w}", (group * n * rows * H,), kw)
-        row_buffer = _empty(scratch, f"block_rows{w}", (group * (d + 1) * rows * H,), kw)
-        if workers > 1:
+    def work(w):  # worker w: tasks w, w + workers, ...
+        if plan.workers > 1:
             torch.set_num_threads(1)  # this thread's OpenMP and MKL settings
-        for ps in tasks[w::workers]:
-            run(ps, buffer, row_buffer)
+        for t in range(w, len(plan.tasks), plan.workers):
+            plan.run(t)
 
-    if workers == 1:
+    if plan.workers == 1:
         work(0)
     else:
-        for future in [worker_pool().submit(work, w) for w in range(workers)]:
+        for future in [worker_pool().submit(work, w) for w in range(plan.workers)]:
             future.result()
     ito = None
     if with_ito:
-        weights_ito = torch.bmm(tokens, tokens.transpose(1, 2),  # [p, j, i]: <x_j, x_i>
-                                out=_empty(scratch, "ito_weights", (P, n, n), kw))
+        weights_ito = torch.bmm(plan.tokens, plan.tokens.transpose(1, 2),  # [p, j, i]
+                                out=plan.ito_weights)  # <x_j, x_i>
         weights_ito.mul_(weights_ito).add_(1.0)
-        if rows < n:  # a pair in two different blocks is computed once and counts twice
-            block = torch.arange(n, device=tokens.device) // rows
-            weights_ito.mul_(torch.where(block[:, None] == block[None, :], 1.0,
-                                         2.0).to(tokens.dtype))
-        ito = head_sums.mul_(weights_ito).sum((1, 2))  # pairwise summation
-    return sums, ito
-
+        if plan.pair_factor is not None:
+            weights_ito.mul_(plan.pair_factor)
+        ito = plan.head_sums.mul_(weights_ito).sum((1, 2))  # pairwise summation
+    return plan.sums, ito
 
 _POOL = None
 

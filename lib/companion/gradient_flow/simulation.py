@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 from dataclasses import dataclass, field
 
 import torch
@@ -422,7 +423,8 @@ def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
     Returns
     -------
     list of :class:`Trajectory`, one per run, in order. Time: about the runs' total
-    ``P H n^2 steps`` shared by the workers, plus starting them (seconds).
+    ``P H n^2 steps`` shared by the workers, plus starting them (seconds) on the first
+    call with this number of workers; the processes are kept for later calls.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> run = dict(tokens=uniform_sphere(6, 3, g, paths=2), weights=initial_weights(2, 3, g,
@@ -453,15 +455,13 @@ def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
         for a, b in zip(bounds, bounds[1:]):
             pieces.append(((b - a) * H * n * n * steps, r, a, b))
     pieces.sort(key=lambda piece: -piece[0])
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=min(workers, len(pieces)),
-                             mp_context=multiprocessing.get_context("spawn"),
-                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        futures = {(r, a): pool.submit(_simulate_piece, checked[r], a, b)
-                   for _, r, a, b in pieces}
-        done = {key: future.result() for key, future in futures.items()}
+    futures = _submit_pieces(workers, [(checked[r], a, b) for _, r, a, b in pieces])
+    try:
+        done = {(r, a): future.result()
+                for (_, r, a, _), future in zip(pieces, futures)}
+    except BaseException:  # an error or an interrupt: no piece is left running
+        _stop_pool(workers)
+        raise
     out = []
     for r, run in enumerate(checked):
         parts = sorted((a, part) for (rr, a), part in done.items() if rr == r)
@@ -471,6 +471,55 @@ def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
             generator.set_state(parts[0][1][1])
         out.append(_concatenate_paths(trajectories))
     return out
+
+
+_PROCESS_POOLS = {}  # number of workers -> the worker processes of simulate_many
+
+
+def _initialize_worker():
+    """A worker of :func:`simulate_many`: one torch thread, and interrupts left to the
+    caller (a notebook's kernel is interrupted with its whole process group; the caller
+    then stops the workers itself)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def _stop_pool(workers: int) -> None:
+    """Drop the pool of ``workers`` processes: its queued pieces cancelled, its processes
+    ended."""
+    pool = _PROCESS_POOLS.pop(workers, None)
+    if pool is None:
+        return
+    for process in list(getattr(pool, "_processes", {}).values()):
+        process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)  # its manager thread reaps them
+
+
+def _submit_pieces(workers: int, pieces: list) -> list:
+    """Submit ``_simulate_piece(*piece)`` for every piece to ``workers`` processes.
+
+    The processes (spawned, one torch thread each) are started on first use and kept for
+    later calls: each costs an interpreter start and ``import torch``, seconds on a
+    loaded machine, and a chapter calls :func:`simulate_many` several times. A pool
+    broken by a dead worker is replaced.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    for attempt in (0, 1):
+        pool = _PROCESS_POOLS.get(workers)
+        if pool is None:
+            pool = _PROCESS_POOLS[workers] = ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_initialize_worker)
+        try:
+            return [pool.submit(_simulate_piece, *piece) for piece in pieces]
+        except BrokenProcessPool:
+            del _PROCESS_POOLS[workers]
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _checked_run(i, run):
