@@ -712,8 +712,11 @@ def test_simulate_many_keeps_its_workers_and_replaces_a_stopped_pool():
     processes = list(pool._processes.values())
     simulation._stop_pool(2)
     assert not any(process.is_alive() for process in processes)
+    assert gf.start_workers(2) == 2  # a fresh pool, started ahead of the call
+    started = simulation._PROCESS_POOLS[2]
+    assert started is not pool and len(started._processes) == 2
     third = gf.simulate_many([run], workers=2)[0]
-    assert simulation._PROCESS_POOLS[2] is not pool
+    assert simulation._PROCESS_POOLS[2] is started
     for key in TRAJECTORY_FIELDS:
         for other in (second[0], second[1], third):
             a, b = getattr(first, key), getattr(other, key)

@@ -62,7 +62,8 @@ from companion.gradient_flow.reference import reference_step_loops, reference_st
 from companion.gradient_flow.simulation import (Frozen, OrnsteinUhlenbeck, Oscillating,
                                                 Trajectory, initial_weights,
                                                 octahedral_tokens, oscillating_target,
-                                                simulate, simulate_many, uniform_sphere)
+                                                simulate, simulate_many, start_workers,
+                                                uniform_sphere)
 
 __all__ = [
     "Frozen",
@@ -86,6 +87,7 @@ __all__ = [
     "simulate",
     "simulate_many",
     "spectral_norms",
+    "start_workers",
     "step_quantities",
     "uniform_sphere",
     "velocity",

@@ -31,6 +31,7 @@ __all__ = [
     "oscillating_target",
     "simulate",
     "simulate_many",
+    "start_workers",
     "uniform_sphere",
 ]
 
@@ -495,24 +496,31 @@ def _stop_pool(workers: int) -> None:
     pool.shutdown(wait=True, cancel_futures=True)  # its manager thread reaps them
 
 
+def _pool(workers: int):
+    """The kept worker processes of :func:`simulate_many` (spawned, one torch thread each),
+    made on first use."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = _PROCESS_POOLS.get(workers)
+    if pool is None:
+        pool = _PROCESS_POOLS[workers] = ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_initialize_worker)
+    return pool
+
+
 def _submit_pieces(workers: int, pieces: list) -> list:
     """Submit ``_simulate_piece(*piece)`` for every piece to ``workers`` processes.
 
-    The processes (spawned, one torch thread each) are started on first use and kept for
-    later calls: each costs an interpreter start and ``import torch``, seconds on a
-    loaded machine, and a chapter calls :func:`simulate_many` several times. A pool
-    broken by a dead worker is replaced.
+    The processes are started on first use and kept for later calls: each costs an
+    interpreter start and ``import torch``, seconds on a loaded machine, and a chapter
+    calls :func:`simulate_many` several times. A pool broken by a dead worker is replaced.
     """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     for attempt in (0, 1):
-        pool = _PROCESS_POOLS.get(workers)
-        if pool is None:
-            pool = _PROCESS_POOLS[workers] = ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_initialize_worker)
+        pool = _pool(workers)
         try:
             return [pool.submit(_simulate_piece, *piece) for piece in pieces]
         except BrokenProcessPool:
@@ -520,6 +528,32 @@ def _submit_pieces(workers: int, pieces: list) -> list:
             if attempt:
                 raise
     raise AssertionError("unreachable")
+
+
+def start_workers(workers: int | None = None) -> int:
+    """Start the worker processes of :func:`simulate_many` now, without waiting for them.
+
+    They start in the background (an interpreter and ``import torch`` each, seconds), so
+    that a later :func:`simulate_many` with as many workers finds them ready; a chapter
+    calls this in its set-up. With 1 worker nothing is started.
+
+    Parameters
+    ----------
+    workers : int >= 1 or None (the number of torch threads, as :func:`simulate_many`).
+
+    Returns
+    -------
+    The number of workers.
+
+    >>> start_workers(1)
+    1
+    """
+    workers = torch.get_num_threads() if workers is None else check_int("workers", workers, 1)
+    if workers > 1:
+        pool = _pool(workers)
+        for _ in range(workers):  # one task each: the pool spawns a process per task
+            pool.submit(int)
+    return workers
 
 
 def _checked_run(i, run):
