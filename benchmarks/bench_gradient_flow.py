@@ -60,7 +60,7 @@ def time_ours(x, D, steps, dt=5e-3, cpu=False):
 def time_many(x, D, steps, workers, dt=5e-3):
     """Wall seconds of ``gf.simulate_many`` running one run's paths on ``workers``
     processes: ``(start, total)``, a one-step call (spawning the workers, importing torch)
-    and a call of ``steps`` steps, start included."""
+    and a call of ``steps`` steps on the same workers (simulate_many keeps them)."""
     def call(k):
         run = dict(tokens=x, weights=D, process=gf.OrnsteinUhlenbeck(), T=k * dt, dt=dt,
                    record_every=5, generator=torch.Generator().manual_seed(1))
@@ -290,8 +290,9 @@ def main():
     ]
     if many:
         lines += ["", f"gf.simulate_many, one paper-setting run (H = 100, {many['steps']} steps) "
-                  f"on {many['workers']} processes: {many['total_s']:.1f} s (of which about "
-                  f"{many['start_s']:.1f} s start), against simulate on {many['threads']} "
+                  f"on {many['workers']} processes: {many['total_s']:.1f} s (on workers kept "
+                  f"from a first call, which started them in {many['start_s']:.1f} s), "
+                  f"against simulate on {many['threads']} "
                   f"threads {many['threads_total_s']:.1f} s "
                   f"({many['speedup_vs_threads']:.2f}x). The chapter's 9 paper runs "
                   f"(3 regimes, H in {{1, 10, 100}}) from the 1-thread CPU time per step: "
