@@ -142,7 +142,7 @@ def test_interrupt_leaves_published_outputs_byte_identical(interrupt_project, tm
     else:
         proc = _start_run(p, "-p", "marker", str(marker), "-p", "sleep_seconds", "600",
                           "--publish")
-        _wait_for(marker.exists, "the kernel executed the compute cell", proc)
+        _wait_for(marker.exists, "the kernel executes the wait cell", proc)
         if point == "cell-sigint-group":  # Ctrl-C at a terminal: the whole process group
             os.killpg(proc.pid, signal.SIGINT)
             expected = 130
@@ -254,7 +254,7 @@ def test_interrupt_of_build_stops_its_runs(interrupt_project, tmp_path):
     marker = tmp_path / "marker"
     with _hanging_defaults(p, marker):
         proc = _start_build(p, "smoke")
-        _wait_for(marker.exists, "the build's run executed the compute cell", proc)
+        _wait_for(marker.exists, "the build's run executes the wait cell", proc)
         pids = json.loads(marker.read_text())
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=SAFETY_DEADLINE)
@@ -411,7 +411,7 @@ def test_build_relays_each_runs_log_path_and_progress(interrupt_project, tmp_pat
         proc = _start_build(p, "demo=smoke", env_extra={runner.ENV_PROGRESS_SECONDS: "0.1"})
         seen = _lines_until(proc, [r"^\[scales\] demo=smoke", r"^\[start\] demo .*: log \S+",
                                    r"^\[progress\] demo: cell \d+ of \d+ \(chapter cell \d+\)"])
-        _wait_for(marker.exists, "the build's run executed the compute cell", proc)
+        _wait_for(marker.exists, "the build's run executes the wait cell", proc)
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=SAFETY_DEADLINE)
     assert proc.returncode == 130, seen
