@@ -932,33 +932,160 @@ def test_one_pass_for_pre_and_post_wo_equals_two_passes(tiny_model_dir, dtype, w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_side_by_side_updates_equal_one_after_the_other(tiny_model_dir, dtype):
-    """CaptureSettings.side_by_side_updates (the default): with two intra-op threads the
-    where entries' updates run on threads of their own, one intra-op thread each; the
-    statistics (sums, per-window parts, tracked tokens, ``into``) equal those of one
-    update after the other bit for bit, and the caller's thread count is kept."""
+@pytest.mark.parametrize("threads", [2, 3])
+def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir, dtype,
+                                                                   threads):
+    """CaptureSettings.lanes (the default: two batches in flight, one intra-op thread each)
+    and side_by_side_updates (one batch at a time, the where entries' updates on threads
+    of their own) give the statistics of one batch and one update after the other bit for
+    bit (sums, per-window parts, tracked tokens, ``into``): a short last batch, an odd
+    number of batches with one where entry, three lanes on three threads; the caller's
+    thread count and the model's attention implementation are kept."""
     model, tok = load_encoder(str(tiny_model_dir), device="cpu", dtype=dtype)
     wins = _small_windows(tok, length=16)
     tracked = torch.zeros(2, 4, dtype=torch.long) + tok.convert_tokens_to_ids(".")
     opts = dict(tokenizer=tok, batch_size=2, percentile=10.0, progress=False, nproc=1,
                 where=("pre_wo", "post_wo"), per_window=(True, False))
-    serial = CaptureSettings(side_by_side_updates=False)
     half = 2 * (len(wins) // 4)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    assert len(wins) == 5 and len(wins[half:]) == 3  # a short last batch of the halves
+    serial = CaptureSettings(lanes=1, side_by_side_updates=False)
+    settings = (serial, CaptureSettings(lanes=1), CaptureSettings(), CaptureSettings(lanes=3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         runs = []
-        for settings in (serial, CaptureSettings()):
-            first, post = analyse_corpus(model, wins[:half], settings=settings, **opts)
-            second, post = analyse_corpus(model, wins[half:], settings=settings,
+        for setting in settings:
+            first, post = analyse_corpus(model, wins[:half], settings=setting, **opts)
+            second, post = analyse_corpus(model, wins[half:], settings=setting,
                                           track_tokens=tracked, into=(None, post), **opts)
-            assert torch.get_num_threads() == 2
-            runs.append((first, second, post))
+            single = analyse_corpus(model, wins, settings=setting, **{  # 5 batches
+                **opts, "where": "post_wo", "per_window": True, "batch_size": 1})
+            assert torch.get_num_threads() == threads
+            assert model.config._attn_implementation == "eager"
+            runs.append((first, second, post, single))
     finally:
-        torch.set_num_threads(threads)
-    for got, want in zip(runs[1], runs[0]):
-        _assert_stats_identical(got, want)
-    assert runs[1][1]._tracked is not None
+        torch.set_num_threads(before)
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            _assert_stats_identical(got, want)
+        assert run[1]._tracked is not None
+
+
+def test_lanes_add_in_order_and_raise_the_first_error():
+    """corpus._in_lanes: lane ``l`` computes jobs ``l, l + n, ...``; the adds come in job
+    order whatever the lanes' speeds; an error in any lane is raised (the other lanes
+    stop), and the caller's thread count is restored."""
+    import threading
+    import time
+
+    before = torch.get_num_threads()
+    for n_lanes, n_jobs in ((2, 7), (3, 5), (2, 1), (3, 0)):
+        added, computed_on = [], {}
+
+        def compute(job, lane):
+            computed_on[job] = (lane, threading.current_thread().name, torch.get_num_threads())
+            time.sleep(0.002 * ((job * 7) % 3))  # lanes finish out of order
+            return job * job
+
+        corpus._in_lanes(n_lanes, 2 * n_lanes, n_jobs, compute,
+                         lambda job, value: added.append((job, value)))
+        assert added == [(job, job * job) for job in range(n_jobs)]
+        assert all(lane == job % n_lanes and threads == 2
+                   for job, (lane, _, threads) in computed_on.items())
+        assert torch.get_num_threads() == before
+    for failing_lane in (0, 1):
+        def compute(job, lane):
+            if job == 2 + failing_lane:
+                raise ValueError(f"job {job}")
+            return job
+
+        added = []
+        with pytest.raises(ValueError, match=f"job {2 + failing_lane}"):
+            corpus._in_lanes(2, 2, 40, compute, lambda job, value: added.append(job))
+        assert added == list(range(len(added))) and len(added) <= 2 + failing_lane
+        assert torch.get_num_threads() == before
+
+
+def test_forward_numbers_do_not_depend_on_the_thread_count():
+    """The premise of lanes: what the statistics read of a forward pass (head outputs,
+    maps, received attention) of the bundled MiniLM in float32 at the chapter's batch
+    shape (16 windows of 128 tokens) is the same bit for bit at 1 and 2 intra-op
+    threads."""
+    try:
+        model, tok = load_encoder(device="cpu")
+    except ModelNotFoundError as exc:  # pragma: no cover - the venv ships it
+        pytest.skip(str(exc))
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1996, 8000, (16, 128), generator=gen)
+    ids[:, 0], ids[:, -1] = 101, 102
+    mask = torch.ones_like(ids)
+    mask[-1, 100:] = 0  # padding in one window
+    sent = torch.where(mask.bool(), torch.arange(128) // 20, -1)
+    batch = {"input_ids": ids, "attention_mask": mask, "sentence_ids": sent}
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            r = analyse_batch(model, batch)
+            got.append([r.outputs.clone(), torch.stack(r.attentions), r.received_attention])
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*got):
+        assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_outputs_are_the_input_of_w_o_bit_for_bit(odd_model_dir, dtype):
+    """The head outputs written by the attention function are what each layer's W_O
+    reads in the same pass, bit for bit (read by forward pre-hooks on it; the pass runs
+    to the end with ``return_hidden``), and equal those of the pass stopped early."""
+    model, _ = load_encoder(odd_model_dir, device="cpu", dtype=dtype)
+    batch = _odd_batch()
+    n_layers, n_heads, d = 3, 3, 5
+    read = []
+    hooks = [layer.attention.output.dense.register_forward_pre_hook(
+        lambda module, args: read.append(args[0].clone())) for layer in
+        cs.encoder_layers(model)]
+    try:
+        full = head_outputs(model, batch, return_hidden=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(read) == n_layers
+    b, t = batch["input_ids"].shape
+    for layer in range(n_layers):
+        want = read[layer].view(b, t, n_heads, d).permute(0, 2, 1, 3)
+        assert torch.equal(full.outputs[:, layer], want)
+    assert torch.equal(head_outputs(model, batch).outputs, full.outputs)
+
+
+def test_batch_parts_then_add_parts_is_update(tiny_model_dir):
+    """update = add_parts(batch_parts): computing the parts changes nothing; adding them
+    gives update's sums and per-window parts bit for bit; bad input names the parameter."""
+    model, tok = load_encoder(str(tiny_model_dir), device="cpu")
+    wins = _small_windows(tok, length=16)
+    config = dict(n_layers=2, n_heads=4, length=16, vocab_size=model.config.vocab_size,
+                  separators=cs.separator_ids(tok), per_window=True, percentile=10.0)
+    updated, added = SimilarityStats(**config), SimilarityStats(**config)
+    for k in range(0, 6, 3):
+        res = analyse_batch(model, wins[k:k + 3].batch())
+        parts = added.batch_parts(res)
+        assert int(added.n_windows) == k  # nothing added yet
+        added.add_parts(parts)
+        updated.update(res)
+    _assert_stats_identical(added, updated)
+    with pytest.raises(TypeError, match="parts"):
+        added.add_parts({"n_windows": 1})
+
+
+def test_capture_settings_bad_input_names_the_parameter():
+    with pytest.raises(ValueError, match="lanes"):
+        CaptureSettings(lanes=0)
+    with pytest.raises(TypeError, match="lanes"):
+        CaptureSettings(lanes=1.5)
+    with pytest.raises(TypeError, match="side_by_side_updates"):
+        CaptureSettings(side_by_side_updates=1)
 
 
 def test_where_tuple_bad_input_names_the_parameter(tiny_model_dir):

@@ -7,22 +7,24 @@ attention probabilities ``A^{lh}`` (``[B, H, T_q, T_k]``). :func:`head_outputs` 
 both for a batch; :func:`analyse_batch` also what the statistics need (content tokens,
 the attention each key receives), as a :class:`BatchResult`.
 
-How: a forward pre-hook on each layer's ``attention.output.dense`` reads ``hook_z``, and
-a registered attention function (the eager computation, window by window) writes
-``hook_pattern`` into one buffer of a :class:`~companion.context_similarity.workspace.Workspace`.
-With :class:`CaptureSettings` ``stop_after_last_attention`` (the default for the
-analysis), the pass stops once the last layer's ``hook_z`` is read.
+How: a registered attention function (the eager computation, window by window) writes
+``hook_pattern`` and ``hook_z`` (its output, what ``attention.output.dense`` reads) into
+buffers of a :class:`~companion.context_similarity.workspace.Workspace`; no hooks, so
+forward passes on several threads may overlap (:func:`buffered_attention`). With
+:class:`CaptureSettings` ``stop_after_last_attention`` (the default for the analysis), the
+pass stops once the last layer's ``hook_z`` is written.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from companion._validate import check_bool
+from companion._validate import check_bool, check_int
 from companion.context_similarity.encoder import WHERE, _heads, encoder_layers
 from companion.context_similarity.workspace import Workspace, work_buffer
 
@@ -63,10 +65,27 @@ class CaptureSettings:
     them). The update's ops are short (a head's similarity product, its masking and
     segment maxima) and split poorly over threads; the same ops on one thread give the
     same numbers (tested), so only the speed changes. False: one entry after the other.
+
+    ``lanes``: on a CPU with two or more intra-op threads, :func:`analyse_corpus` keeps
+    ``min(lanes, threads)`` batches in flight, each on a thread of its own with an equal
+    share of the intra-op threads (one each on two): a lane runs its batch's forward pass
+    and every update, and the lanes add their batches' parts to the statistics one batch
+    after the other, in the windows' order. The forward's numbers do not depend on the
+    intra-op thread count (tested bit for bit at 1 and 2 threads), so the statistics are
+    those of one batch after the other, bit for bit; the small ops of a batch (a
+    window's attention, a head's similarity product) no longer wait for a second thread,
+    and both cores stay busy. 1: one batch at a time, its forward on all threads, then
+    its updates (side by side per ``side_by_side_updates``).
     """
 
     stop_after_last_attention: bool = True
     side_by_side_updates: bool = True
+    lanes: int = 2
+
+    def __post_init__(self):
+        check_bool("stop_after_last_attention", self.stop_after_last_attention)
+        check_bool("side_by_side_updates", self.side_by_side_updates)
+        check_int("lanes", self.lanes, minimum=1)
 
 
 class HeadOutputs(NamedTuple):
@@ -143,7 +162,8 @@ def _batch_tensors(batch, model) -> dict[str, torch.Tensor]:
 
 
 def _check_model(model, length: int) -> None:
-    if getattr(model.config, "_attn_implementation", "eager") != "eager":
+    if getattr(model.config, "_attn_implementation", "eager") not in (
+            "eager", ATTENTION_INTO_BUFFER):  # the latter: inside buffered_attention
         raise ValueError(
             "model: attention maps need attn_implementation='eager' (got "
             f"{model.config._attn_implementation!r}); load it with load_encoder() or "
@@ -184,11 +204,12 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
                  ) -> HeadOutputs:
     """Every head's output vector for every token, and the attention maps.
 
-    A forward pre-hook on each layer's ``attention.output.dense`` (the ``W_O``
-    projection) captures its input, the concatenated per-head context ``[B, T, H*d]``
-    (value bias included), which is split into heads. The attention maps are the eager
-    attention's probabilities, computed by a registered attention function that keeps
-    them in one buffer (the model's configured implementation is restored afterwards).
+    A registered attention function (the eager computation, the model's configured
+    implementation is restored afterwards) writes each layer's per-head context
+    ``z^{lh}`` (value bias included) into one buffer: what the layer's
+    ``attention.output.dense`` (the ``W_O`` projection) reads once transformers has merged
+    the heads into ``[B, T, H*d]``, bit for bit (tested against a pre-hook on it). The
+    attention maps are that function's probabilities, kept in a buffer too.
 
     Parameters
     ----------
@@ -237,7 +258,8 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
 
     Complexity
     ----------
-    One forward pass; the hooks copy O(B L T D) numbers.
+    One forward pass (stopped after the last layer's attention unless
+    ``return_hidden``); the outputs are written in place, no copy.
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
@@ -263,47 +285,63 @@ _SINK_KWARG = "companion_attention_maps"
 
 
 class _AttentionMaps:
-    """The attention probabilities of one forward pass, layer by layer (call order).
+    """The attention probabilities and head outputs of one forward pass, layer by layer
+    (call order).
 
-    ``buffer`` (every layer's ``hook_pattern``) is ``[L, B, H, T, T]``; with a
-    :class:`Workspace` it is reused between
-    passes of equal shape, dtype and device (so the maps of a pass are overwritten by the
-    next one). With ``content`` (``[B, T]`` query weights, 1 for content tokens), the
-    attention every key receives from those queries, ``sum_q content_q A_qk``, is summed
-    while each window's maps are in cache: ``received`` ``[L, B, H, T]``.
+    ``buffer`` (every layer's ``hook_pattern``) is ``[L, B, H, T, T]``, ``outputs`` (every
+    layer's ``hook_z``, the attention's output) ``[L, H, B, T, d]``; with a
+    :class:`Workspace` both are reused between passes of equal shape, dtype and device
+    (so the maps of a pass are overwritten by the next one). With ``content`` (``[B, T]``
+    query weights, 1 for content tokens), the attention every key receives from those
+    queries, ``sum_q content_q A_qk``, is summed while each window's maps are in cache:
+    ``received`` ``[L, B, H, T]``. With ``stop_after_last`` the last layer's call ends the
+    forward pass once its output is written (:class:`_StopAfterLastAttention`).
     """
 
     def __init__(self, n_layers: int, workspace: Workspace | None = None,
-                 content: torch.Tensor | None = None):
+                 content: torch.Tensor | None = None, stop_after_last: bool = False):
         self.n_layers = n_layers
         self.workspace = workspace
         self.content = content
+        self.stop_after_last = stop_after_last
         self.buffer: torch.Tensor | None = None
+        self.outputs: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
         self.calls = 0
 
     def _reused(self, name, shape, dtype, device) -> torch.Tensor:
         return work_buffer(self.workspace, name, math.prod(shape), dtype, device).view(shape)
 
-    def next_layer(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The maps slice [B, H, Tq, Tk] of the next layer and its ``received`` slice."""
+    def next_layer(self, shape, d_value, dtype, device):
+        """The next layer's slices: maps [B, H, Tq, Tk], head outputs [B, H, Tq, d] (a
+        view of the ``[H, B, Tq, d]`` block of ``outputs``) and ``received`` (or None)."""
         if self.calls >= self.n_layers:
             raise RuntimeError(
                 f"model: more attention calls than the {self.n_layers} layers in one pass")
         full = (self.n_layers, *shape)
+        bsz, n_heads, t_q, _ = shape
         if self.buffer is None:
             self.buffer = self._reused("attention_maps", full, dtype, device)
+            self.outputs = self._reused("head_outputs",
+                                        (self.n_layers, n_heads, bsz, t_q, d_value),
+                                        dtype, device)
             if self.content is not None:
                 if tuple(self.content.shape) != (shape[0], shape[2]):
                     raise RuntimeError("content: expected [B, T] query weights")
                 self.received = self._reused("received_attention",
                                              (self.n_layers, shape[0], shape[1], shape[3]),
                                              dtype, device)
-        if tuple(self.buffer.shape) != full:
+        if tuple(self.buffer.shape) != full or self.outputs.shape[-1] != d_value:
             raise RuntimeError(f"model: attention layers of different shapes {shape} in one pass")
         layer = self.calls
         self.calls += 1
-        return self.buffer[layer], None if self.received is None else self.received[layer]
+        return (self.buffer[layer], self.outputs[layer].transpose(0, 1),
+                None if self.received is None else self.received[layer])
+
+    def after_layer(self) -> None:
+        """Called once a layer's output is written: ends the pass after the last one."""
+        if self.stop_after_last and self.calls == self.n_layers:
+            raise _StopAfterLastAttention
 
 
 def _eager_attention_into_buffer(module, query, key, value, attention_mask, scaling=None,
@@ -311,7 +349,9 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
     """Eager attention (as ``transformers``' BERT computes it) writing its maps into a buffer.
 
     ``softmax(scale q k^T + mask) v`` with the probabilities left in the next layer slice of
-    the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward.
+    the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward, and
+    the output (``hook_z``, what ``W_O`` reads once transformers has merged the heads)
+    written straight into its ``[H, B, T, d]`` block of head outputs.
     Window by window: one window's maps (``H T^2`` numbers, under a megabyte for BERT
     sizes) stay in the processor's cache from the scores through the softmax to the
     product with the values, which makes this as fast as a fused attention kernel
@@ -328,9 +368,8 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
     t_k = key.shape[2]
     if scaling is None:
         scaling = d ** -0.5
-    maps, received = sink.next_layer((bsz, n_heads, t_q, t_k), query.dtype, query.device)
-    out = torch.empty(bsz, n_heads, t_q, value.shape[-1], dtype=value.dtype,
-                      device=value.device)
+    maps, out, received = sink.next_layer((bsz, n_heads, t_q, t_k), value.shape[-1],
+                                          query.dtype, query.device)
     if received is not None:
         content = sink.content.to(query.dtype)[:, None, :]  # [B, 1, Tq]
     for w in range(bsz):
@@ -343,6 +382,7 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
         torch.matmul(probs, value[w], out=out[w])
         if received is not None:  # [1, Tq] @ [H, Tq, Tk] -> [H, 1, Tk]
             torch.matmul(content[w], probs, out=received[w].unsqueeze(1))
+    sink.after_layer()
     return out.transpose(1, 2), maps
 
 
@@ -356,14 +396,34 @@ def _register_attention() -> None:
 
 
 class _StopAfterLastAttention(Exception):
-    """Raised by the last layer's ``hook_z`` hook to end the forward pass early.
+    """Raised by the last layer's attention call to end the forward pass early.
 
     Why an exception: a ``transformers`` model has no way to run only its first ``L``
     attention blocks, and everything after the last layer's ``hook_z`` (that layer's
-    ``W_O``, its feed-forward block, the pooler) feeds no statistic. Raising from the hook
-    is the one way out of ``model(...)`` there; it is caught right around the call in
-    :func:`_capture` and never leaves this module.
+    ``W_O``, its feed-forward block, the pooler) feeds no statistic. Raising from the
+    attention function is the one way out of ``model(...)`` there; it is caught right
+    around the call in :func:`_capture` and never leaves this module.
     """
+
+
+@contextmanager
+def buffered_attention(model):
+    """Run ``model`` with :func:`_eager_attention_into_buffer` inside the block (its
+    configured implementation is restored afterwards); nothing changes when an enclosing
+    block already set it. :func:`_capture` opens one per call; a corpus pass opens one
+    around all its batches, so that forward passes may run on several threads at once
+    (``set_attn_implementation`` changes the model, it is not for concurrent use).
+    """
+    _register_attention()
+    configured = model.config._attn_implementation
+    if configured == ATTENTION_INTO_BUFFER:
+        yield
+        return
+    model.set_attn_implementation(ATTENTION_INTO_BUFFER)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(configured)
 
 
 @torch.no_grad()
@@ -380,59 +440,33 @@ def _capture(model, tensors, workspace: Workspace | None = None,
     and maps live in buffers kept there and overwritten by the next call.
 
     The model runs once with :func:`_eager_attention_into_buffer` (the eager computation,
-    its maps kept in one buffer, see :class:`_AttentionMaps`); its configured attention
-    implementation is restored afterwards (``model.set_attn_implementation``).
+    its maps and outputs written into buffers, see :class:`_AttentionMaps`), inside
+    :func:`buffered_attention`. No hooks: the model is not changed during the pass, so
+    calls on different threads (each with its own ``workspace``) may overlap inside one
+    enclosing :func:`buffered_attention`.
     """
     _check_model(model, tensors["input_ids"].shape[1])
-    layers = encoder_layers(model)
-    n_layers, n_heads, d = _heads(model)
-    hook_z: list[torch.Tensor | None] = [None] * n_layers
+    n_layers, _, _ = _heads(model)
     stop_early = settings.stop_after_last_attention and not return_hidden
-
-    def make_hook(index):
-        def read_hook_z(module, args):
-            hook_z[index] = args[0]
-            if stop_early and index == n_layers - 1:
-                raise _StopAfterLastAttention
-
-        return read_hook_z
-
-    _register_attention()
-    maps = _AttentionMaps(n_layers, workspace, content)
-    configured = model.config._attn_implementation
-    handles = [
-        layer.attention.output.dense.register_forward_pre_hook(make_hook(i))
-        for i, layer in enumerate(layers)
-    ]
+    maps = _AttentionMaps(n_layers, workspace, content, stop_after_last=stop_early)
     hidden = None
-    try:
-        inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
-                  if tensors.get(k) is not None}
-        model.set_attn_implementation(ATTENTION_INTO_BUFFER)
-        out = model(**inputs, **{_SINK_KWARG: maps})
-        hidden = out.last_hidden_state
-    except _StopAfterLastAttention:
-        pass
-    finally:
-        model.set_attn_implementation(configured)
-        for h in handles:
-            h.remove()
-    if any(c is None for c in hook_z) or maps.calls != n_layers:
+    inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
+              if tensors.get(k) is not None}
+    with buffered_attention(model):
+        try:
+            hidden = model(**inputs, **{_SINK_KWARG: maps}).last_hidden_state
+        except _StopAfterLastAttention:
+            pass
+    if maps.calls != n_layers:
         raise RuntimeError(
             "model: the forward pass did not reach every attention layer through the "
             "transformers attention interface (a BERT-family model of transformers >= 5 "
             "is expected)")
-    b, t = tensors["input_ids"].shape
     # stored (layer, head, window, token, dim): the statistics take the sum over windows
     # of every head's similarity matrix, which is then one contiguous block
-    first = hook_z[0]
-    z = work_buffer(workspace, "head_outputs", n_layers * n_heads * b * t * d, first.dtype,
-                    first.device).view(n_layers, n_heads, b, t, d)
-    for layer, context in enumerate(hook_z):
-        z[layer].copy_(context.view(b, t, n_heads, d).permute(2, 0, 1, 3))
     received = None if maps.received is None else maps.received.permute(1, 0, 2, 3)
-    return z.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0)), received, hidden
-
+    return (maps.outputs.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0)), received,
+            hidden)
 
 
 class BatchResult(NamedTuple):

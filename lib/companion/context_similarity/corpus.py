@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import threading
 
 import torch
 
@@ -15,6 +16,7 @@ from companion.context_similarity.capture import (
     CaptureSettings,
     _check_model,
     analyse_batch,
+    buffered_attention,
     wo_gram,
 )
 from companion.context_similarity.encoder import (
@@ -197,50 +199,56 @@ def analyse_corpus(
     mine = range(rank, n_batches, world)
     gram = wo_gram(model) if "post_wo" in wheres else None
     metrics = [gram if w == "post_wo" else None for w in wheres]
-    # buffers (maps, head outputs, similarity products) reused by every batch and call
-    workspace = _SHARED_WORKSPACES.setdefault(str(model_device), Workspace())
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(windows), desc=f"context similarity ({'+'.join(wheres)})",
                    unit="window")
-    # one workspace per where for the update's buffers (the capture's in the first)
-    workspaces = [workspace] + [
-        _SHARED_WORKSPACES.setdefault(f"{model_device}/where{n}", Workspace())
-        for n in range(1, len(fresh))]
     threads = torch.get_num_threads()
-    pool = None
-    if (settings.side_by_side_updates and len(fresh) > 1 and model_device.type == "cpu"
-            and threads > 1):
-        from concurrent.futures import ThreadPoolExecutor
+    n_lanes = min(settings.lanes, threads, len(mine)) if model_device.type == "cpu" else 1
 
-        # each update on a thread of its own with one intra-op thread (set per thread;
-        # this thread's count, which the forward uses, stays)
-        pool = ThreadPoolExecutor(len(fresh), thread_name_prefix="similarity-update",
-                                  initializer=torch.set_num_threads, initargs=(1,))
-    try:
-        for k in mine:
-            part = windows[k * batch_size:(k + 1) * batch_size]
-            batch = {name: t.to(model_device) for name, t in part.batch().items()}
-            result = analyse_batch(model, batch, where=wheres[0], gram=metrics[0],
-                                   workspace=workspace, settings=settings)
-            # one forward pass, one update per where
-            updates = [(s, result._replace(metric=metric), ws)
-                       for s, metric, ws in zip(fresh, metrics, workspaces)]
-            if pool is None:
-                for s, r, ws in updates:
-                    s.update(r, workspace=ws)
-            else:
-                for job in [pool.submit(s.update, r, workspace=ws) for s, r, ws in updates]:
-                    job.result()
-            if bar is not None:
-                # rank 0 speaks for all ranks: they advance in lock-step over equal shards
-                bar.update(min(len(part) * world, bar.total - bar.n))
-    finally:
-        if pool is not None:
-            pool.shutdown()
-            torch.set_num_threads(threads)  # the pool's threads set the shared default to 1
+    def lane_workspaces(lane):
+        """One workspace per where for the update's buffers (the capture's in the first)."""
+        prefix = str(model_device) if lane == 0 else f"{model_device}/lane{lane}"
+        return [_SHARED_WORKSPACES.setdefault(prefix if n == 0 else f"{prefix}/where{n}",
+                                              Workspace()) for n in range(len(fresh))]
+
+    def forward(position, workspace):
+        k = mine[position]
+        part = windows[k * batch_size:(k + 1) * batch_size]
+        batch = {name: t.to(model_device) for name, t in part.batch().items()}
+        result = analyse_batch(model, batch, where=wheres[0], gram=metrics[0],
+                               workspace=workspace, settings=settings)
+        # one forward pass, one update per where
+        return len(part), [result._replace(metric=metric) for metric in metrics]
+
+    def advance(n_windows):
+        if bar is not None:
+            # rank 0 speaks for all ranks: they advance in lock-step over equal shards
+            bar.update(min(n_windows * world, bar.total - bar.n))
+
+    with buffered_attention(model):  # set once: lanes run forward passes side by side
+        if n_lanes > 1:
+            workspaces = [lane_workspaces(lane) for lane in range(n_lanes)]
+
+            def compute(position, lane):
+                n_windows, results = forward(position, workspaces[lane][0])
+                return n_windows, [s.batch_parts(r, workspace=ws) for s, r, ws in
+                                   zip(fresh, results, workspaces[lane])]
+
+            def add(position, computed):
+                n_windows, parts = computed
+                for s, batch_parts in zip(fresh, parts):
+                    s.add_parts(batch_parts)
+                advance(n_windows)
+
+            _in_lanes(n_lanes, threads, len(mine), compute, add)
+        else:
+            _one_batch_at_a_time(fresh, lane_workspaces(0), len(mine), forward, advance,
+                                 side_by_side=(settings.side_by_side_updates
+                                               and len(fresh) > 1 and threads > 1
+                                               and model_device.type == "cpu"))
     if bar is not None:
         bar.close()
     if is_dist:
@@ -248,6 +256,116 @@ def analyse_corpus(
             s.all_reduce(group)
         fresh = [s if t is None else t.merge(s) for s, t in zip(fresh, targets)]
     return tuple(fresh) if isinstance(where, tuple) else fresh[0]
+
+
+
+class _Cancelled(Exception):
+    """A lane stops because another one failed (never leaves :func:`_in_lanes`)."""
+
+
+class _Turns:
+    """Whose turn it is to add its batch: positions 0, 1, 2, ... one after the other."""
+
+    def __init__(self):
+        self._condition = threading.Condition()
+        self._next = 0
+        self._cancelled = False
+
+    def wait(self, position: int) -> None:
+        with self._condition:
+            self._condition.wait_for(lambda: self._next == position or self._cancelled)
+            if self._cancelled:
+                raise _Cancelled
+
+    def done(self, position: int) -> None:
+        with self._condition:
+            self._next = position + 1
+            self._condition.notify_all()
+
+    def cancel(self) -> None:
+        with self._condition:
+            self._cancelled = True
+            self._condition.notify_all()
+
+
+def _in_lanes(n_lanes: int, threads: int, n_jobs: int, compute, add) -> None:
+    """Jobs ``0 .. n_jobs - 1`` on ``n_lanes`` threads (this one is lane 0): lane ``l``
+    computes jobs ``l, l + n_lanes, ...`` (``compute(job, l)``, with ``threads // n_lanes``
+    intra-op threads) and ``add(job, computed)`` runs in job order, one at a time, each
+    on its lane right after the previous job's (a lane adds its job before it computes
+    its next, so a job's results may live in the lane's buffers). The first error of a
+    lane stops the others at their next turn and is raised here; the calling thread's
+    intra-op thread count is restored.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_lane = max(1, threads // n_lanes)
+    caller = torch.get_num_threads()
+    turns = _Turns()
+
+    def lane(index):
+        torch.set_num_threads(per_lane)  # this thread's intra-op threads
+        try:
+            for job in range(index, n_jobs, n_lanes):
+                computed = compute(job, index)
+                turns.wait(job)
+                add(job, computed)
+                turns.done(job)
+        except BaseException:
+            turns.cancel()
+            raise
+
+    errors = []
+    with ThreadPoolExecutor(n_lanes - 1, thread_name_prefix="similarity-lane") as pool:
+        others = [pool.submit(lane, index) for index in range(1, n_lanes)]
+        try:
+            lane(0)
+        except _Cancelled:
+            pass
+        except BaseException as exc:  # an interrupt too (lane() has stopped the others)
+            errors.append(exc)
+        try:
+            for future in others:
+                exc = future.exception()
+                if exc is not None and not isinstance(exc, _Cancelled):
+                    errors.append(exc)
+        except BaseException:  # interrupted while waiting: stop the other lanes
+            turns.cancel()
+            raise
+        finally:
+            torch.set_num_threads(caller)  # the lanes' counts may be shared: restore
+    if errors:
+        raise errors[0]
+
+
+def _one_batch_at_a_time(fresh, workspaces, n_jobs, forward, advance, side_by_side):
+    """Batch after batch: the forward pass on all intra-op threads, then each where's
+    update, side by side (one thread each, one intra-op thread each) or one after the
+    other."""
+    threads = torch.get_num_threads()
+    pool = None
+    if side_by_side:
+        from concurrent.futures import ThreadPoolExecutor
+
+        # each update on a thread of its own with one intra-op thread (set per thread;
+        # this thread's count, which the forward uses, stays)
+        pool = ThreadPoolExecutor(len(fresh), thread_name_prefix="similarity-update",
+                                  initializer=torch.set_num_threads, initargs=(1,))
+    try:
+        for job in range(n_jobs):
+            n_windows, results = forward(job, workspaces[0])
+            updates = list(zip(fresh, results, workspaces))
+            if pool is None:
+                for s, r, ws in updates:
+                    s.update(r, workspace=ws)
+            else:
+                for done in [pool.submit(s.update, r, workspace=ws) for s, r, ws in updates]:
+                    done.result()
+            advance(n_windows)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+            torch.set_num_threads(threads)  # the pool's threads set the shared default to 1
 
 
 def _where_plan(where, per_window, into):

@@ -30,6 +30,7 @@ __all__ = [
     "LONG_RANGE",
     "SHORT_RANGE",
     "STATISTICS",
+    "BatchParts",
     "PairBatch",
     "ScatterAdd",
     "SimilarityStats",
@@ -57,6 +58,15 @@ class ScatterAdd(NamedTuple):
 
     index: torch.Tensor
     weights: torch.Tensor
+
+
+class BatchParts(NamedTuple):
+    """One batch's part of every sum (:meth:`SimilarityStats.batch_parts`): ``totals``,
+    (name, tensor or :class:`ScatterAdd`) pairs added to the corpus sums, and ``windows``,
+    (name, [B, ...] float64) pairs appended to the per-window parts."""
+
+    totals: list
+    windows: list
 
 
 @dataclass
@@ -889,30 +899,56 @@ class SimilarityStats:
         device of the outputs and the sums are added on ``self.device``. ``workspace``:
         where the work buffers are kept (default: the statistics' own).
         """
+        return self.add_parts(self.batch_parts(batch_result, workspace))
+
+    @torch.no_grad()
+    def batch_parts(self, batch_result: BatchResult,
+                    workspace: Workspace | None = None) -> BatchParts:
+        """What :meth:`update` adds for one batch, computed without changing ``self``.
+
+        ``update(r)`` is ``add_parts(batch_parts(r))``: the parts of several batches may
+        be computed at once (on threads of their own, each with its own ``workspace``) and
+        then added one batch after the other, in the windows' order, giving the sums of
+        :meth:`update` bit for bit. The parts may live in ``workspace``'s buffers: add
+        them before that workspace computes the next batch's.
+        """
         layers = self._validate(batch_result)
         batch = PairBatch(self, batch_result, layers,
                           self._workspace if workspace is None else workspace)
+        totals = []
         for stat in STATISTICS.values():
             if stat.total is None or not self._computed(stat, batch):
                 continue
-            value, total = stat.total(batch), getattr(self, stat.name)
+            totals.append((stat.name, stat.total(batch)))
+        windows = []
+        if self.per_window:
+            dims = {"L": self.n_layers, "H": self.n_heads, "S": len(self.separators)}
+            for stat in STATISTICS.values():
+                if stat.window is None or (stat.needs == "tracked" and self._tracked is None):
+                    continue
+                if self._computed(stat, batch):
+                    value = stat.window(batch)
+                else:  # no content pairs or no separators: zeros
+                    value = torch.zeros((batch.b, *(dims[s] for s in stat.window_shape)),
+                                        dtype=torch.float64, device=batch.device)
+                windows.append((stat.name, value))
+        return BatchParts(totals, windows)
+
+    @torch.no_grad()
+    def add_parts(self, parts: BatchParts) -> SimilarityStats:
+        """Add one batch's :meth:`batch_parts` to the sums; returns self."""
+        if not isinstance(parts, BatchParts):
+            raise TypeError(f"parts: expected BatchParts (SimilarityStats.batch_parts), got "
+                            f"{type(parts).__name__}")
+        for name, value in parts.totals:
+            total = getattr(self, name)
             if isinstance(value, ScatterAdd):
                 total.view(-1).index_add_(0, value.index.to(total.device),
                                           value.weights.to(total.device, total.dtype))
             else:
                 total += value.to(device=total.device, dtype=total.dtype)
-        if not self.per_window:
-            return self
-        dims = {"L": self.n_layers, "H": self.n_heads, "S": len(self.separators)}
-        for stat in STATISTICS.values():
-            if stat.window is None or (stat.needs == "tracked" and self._tracked is None):
-                continue
-            if self._computed(stat, batch):
-                value = stat.window(batch)
-            else:  # no content pairs or no separators: zeros
-                value = torch.zeros((batch.b, *(dims[s] for s in stat.window_shape)),
-                                    dtype=torch.float64, device=batch.device)
-            self._windows.setdefault(stat.name, []).append(value.to(self.device))
+        for name, value in parts.windows:
+            self._windows.setdefault(name, []).append(value.to(self.device))
         return self
 
     def _computed(self, stat: Statistic, batch: PairBatch) -> bool:
