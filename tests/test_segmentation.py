@@ -94,14 +94,49 @@ def test_segment_gains_are_within_segment_sums():
             assert abs(float(w[a, b]) - direct) < 1e-9
 
 
+def vectorised_dp(m, pens):
+    """The programme written the plain vectorised way (the former fast path): the gains
+    table of segment_gains, then F(b) = max_a F(a) + W(a, b) - penalty with max(0)'s
+    first maximum, then the back pointers followed from n. [..., P, n] bool."""
+    n, batch = m.shape[-1], m.shape[:-2]
+    pen = torch.as_tensor(pens, dtype=torch.float64)
+    w = sg.segment_gains(m)  # [..., a, b]
+    wt = w.movedim(-1, 0).movedim(-1, 1)[..., None]  # [b, a, ..., 1]
+    pen = pen.to(wt.dtype)
+    g = torch.zeros(n + 1, *batch, len(pen), dtype=wt.dtype)
+    back = torch.zeros(n + 1, *batch, len(pen), dtype=torch.long)
+    for b in range(1, n + 1):
+        best, back[b] = (g[:b] + wt[b, :b]).max(0)
+        g[b] = best - pen
+    out = torch.zeros(n + 1, *batch, len(pen), dtype=torch.bool)
+    pos = torch.full((1, *batch, len(pen)), n, dtype=torch.long)
+    for _ in range(n):
+        pos = back.gather(0, pos)
+        out.scatter_(0, pos, True)
+    res = out[:n].permute(*range(1, len(batch) + 2), 0).clone()
+    res[..., 0] = False
+    return res
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (7, 7), (3, 5, 5), (2, 3, 9, 9)])
-def test_step_major_gains_are_segment_gains_permuted_bit_for_bit(shape, dtype):
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (7, 7), (3, 5, 5), (2, 3, 9, 9), (4, 33, 33),
+                                   (17, 1, 1)])
+def test_dp_equals_the_plain_vectorised_programme_bit_for_bit(shape, dtype):
+    # the fast programme forms every gain and candidate with the same float operations
+    # as the plain one (column by column, on step-major matrices, with the first maximum
+    # found from the candidates' bits): the same boundaries, ties included
     g = torch.Generator().manual_seed(sum(shape))
-    m = torch.randn(shape, generator=g, dtype=dtype)
-    nb = m.dim() - 2
-    want = sg.segment_gains(m).permute(nb + 1, nb, *range(nb))  # [b, a, ...] = W(a, b)
-    assert torch.equal(sg._gains_step_major(m), want)
+    pens = [0.0, 0.5, 2.0, 8.0, 64.0]
+    for m in (torch.randn(shape, generator=g, dtype=dtype),  # not symmetric: upper read
+              torch.randint(-2, 3, shape, generator=g).to(dtype),  # many exact ties
+              torch.zeros(shape, dtype=dtype).neg_()):  # -0.0 everywhere: all tied
+        assert torch.equal(sg.optimal_segmentation(m, pens), vectorised_dp(m, pens))
+
+
+def test_step_major_layout_is_a_transposing_copy():
+    m = torch.randn(37, 5, 5, dtype=torch.float64)  # 37: a last block of 5 matrices
+    assert torch.equal(sg._step_major(m, block=16), m.permute(2, 1, 0))
+    assert sg._step_major(m.half()).dtype == torch.float32
 
 
 def test_dp_bad_input():
@@ -313,8 +348,8 @@ def test_batched_tuning_f1_equals_per_window_f1():
     pred = torch.rand(4, 6, 30, generator=g) < 0.15
     pred[..., 0] = False
     batched = se._f1_pm1_batched(gold, pred)
-    for c in range(4):
-        assert float(batched[c]) == pytest.approx(se._f1_pm1(gold, pred[c]))
+    for c in range(4):  # the same counts, the same float operations: equal, not close
+        assert float(batched[c]) == se._f1_pm1(gold, pred[c])
 
 
 def test_pk_windowdiff_hand_case():

@@ -358,59 +358,119 @@ def optimal_segmentation(m: torch.Tensor, penalty) -> torch.Tensor:
     return _optimal_segmentation(m, pen, scalar)
 
 
-def _gains_step_major(m: torch.Tensor) -> torch.Tensor:
-    """:func:`segment_gains` in step-major layout, ``wt[b, a, ...] = W(a, b)``
-    [n + 1, n + 1, *batch] (no input check).
+def _step_major(m: torch.Tensor, out: torch.Tensor | None = None,
+                block: int = 16) -> torch.Tensor:
+    """The matrices ``m`` [..., n, n] transposed to step-major layout, ``xt[j, i, e] =
+    m_e[i, j]`` [n, n, E] (``E`` the batch flattened), in the work precision (no input
+    check); into ``out`` when given.
 
-    The same numbers as ``segment_gains(m)`` permuted: the strict upper triangle is moved
-    to [j, i, *batch] first, so that both prefix sums (over ``i``, then over ``j``, in
-    that order, as there) and the subtraction run on contiguous blocks of the batch
-    instead of strided rows. CPU cumulative sums accumulate each line in sequence, so
-    the layout does not change a value (checked in the tests).
+    A blocked copy, ``block`` matrices at a time: each output row of a block is one
+    cache line, read from lines the block keeps in cache (a whole-tensor permuted copy
+    reads every element from a different line). A copy: the values do not change.
     """
     n = m.shape[-1]
-    nb = m.dim() - 2
-    ut = m.to(_work_dtype(m.dtype)).permute(nb + 1, nb, *range(nb)).contiguous()  # [j, i, ...]
-    idx = torch.arange(n, device=m.device)
-    below = (idx[None, :] >= idx[:, None]).view(n, n, *([1] * nb))  # i >= j: not i < j
-    ut.masked_fill_(below, 0.0)
-    pt = ut.new_zeros((n + 1, n + 1, *m.shape[:-2]))  # pt[c, r] = P[r, c]
-    pt[1:, 1:] = ut.cumsum(1).cumsum(0)
-    del ut
-    diag = pt.diagonal(dim1=0, dim2=1).movedim(-1, 0).clone()  # P[b, b], [n+1, ...]
-    return pt.neg_().add_(diag[:, None])  # W(a, b) = P[b, b] - P[a, b]
+    flat = m.reshape(-1, n, n)
+    if out is None:
+        out = torch.empty(n, n, flat.shape[0], dtype=_work_dtype(m.dtype), device=m.device)
+    for e in range(0, flat.shape[0], block):
+        out[:, :, e:e + block].copy_(flat[e:e + block].permute(2, 1, 0))
+    return out
 
 
-def _optimal_segmentation(m: torch.Tensor, pen: torch.Tensor, scalar: bool) -> torch.Tensor:
-    """:func:`optimal_segmentation` after its checks (``pen``: 1-D float64 penalties)."""
-    n = m.shape[-1]
-    batch = m.shape[:-2]
-    nb = len(batch)
-    # step-major layout: wt[b, a, ...] = W(a, b), and every table below is [n+1, ..., P],
-    # so each step reads and writes contiguous blocks and reduces over the leading dim
-    wt = _gains_step_major(m)[..., None]
-    dev = wt.device
-    pen = pen.to(dev)
+def _segmentation_pointers(xt: torch.Tensor, pen: torch.Tensor) -> torch.Tensor:
+    """The dynamic programme of :func:`optimal_segmentation` on step-major matrices.
+
+    ``xt`` [n, n, E] with ``xt[j, i, e] = M_e[i, j]`` (only ``i < j`` is read), ``pen``
+    [P] penalties in ``xt``'s dtype. Returns the back pointers [n + 1, P, E] (an integer
+    type): ``back[b, p, e]`` is the start of the last segment of the best segmentation
+    of tokens ``[0, b)``, the earliest one on ties.
+
+    The gains ``W(a, b) = P[b, b] - P[a, b]`` are those of :func:`segment_gains`, with
+    the same numbers: ``P`` is the prefix sum over ``i`` and then over ``j`` of the
+    strict upper triangle, each formed as a CPU cumulative sum forms it (every line in
+    sequence, accumulated in float64 from 0 and rounded to ``xt``'s dtype at every
+    entry). Step ``b`` needs column ``b`` of ``P`` only, so the two sums are formed a
+    column at a time inside the loop: column ``j = b - 1`` summed over ``i < j`` (one
+    cumulative sum), then added to the running sums over ``j`` of the rows ``r < j``.
+    The rows ``r >= j`` hold the same running sum (their lines only ever add the full
+    column sums, and the zeros below the diagonal leave a float64 sum unchanged), kept
+    once and copied into row ``j`` when it is first read. No [n + 1, n + 1, E] table is
+    formed.
+
+    The best start is the first maximum of ``F(a) + W(a, b)`` over ``a < b``, what
+    ``max(0)`` returns, found faster: the maximum (exact), then the candidates less
+    the maximum, which are ``+0`` exactly where the maximum is reached and negative
+    elsewhere (no candidate is ``-0``: every prefix sum starts from ``+0``, so neither a
+    gain nor a candidate can be ``-0``). Read as integers of the same width, those are
+    ``0`` and negative; OR-ing in the weights ``b - a`` leaves the negative ones
+    negative, so the largest result is ``b`` less the first start that reaches the
+    maximum.
+    """
+    n, e_count = xt.shape[0], xt.shape[2]
     n_pen = pen.shape[0]
-    back = torch.zeros(n + 1, *batch, n_pen, dtype=torch.long, device=dev)
-    # g[a] = F(a) - (penalty if a > 0): the candidate for start a is g[a] + W(a, b)
-    g = torch.empty(n + 1, *batch, n_pen, dtype=wt.dtype, device=dev)
-    pen = pen.to(wt.dtype)
+    dt, dev = xt.dtype, xt.device
+    # every table [step, penalty, matrix]: each operation runs on contiguous rows of the
+    # matrices, and the gains of a step are broadcast over the penalties, not along rows
+    g = torch.empty(n + 1, n_pen, e_count, dtype=dt, device=dev)  # g[a] = F(a) - penalty (a > 0)
     g[0] = 0.0
+    bits = torch.int32 if dt == torch.float32 else torch.int64  # same width as dt
+    weights = torch.arange(n, 0, -1, dtype=bits, device=dev)  # weights[n - b + a] = b - a
+    back = torch.zeros(n + 1, n_pen, e_count, dtype=bits, device=dev)
+    rows = torch.zeros(n, e_count, dtype=torch.float64, device=dev)  # sums over j, row r
+    full = torch.zeros(e_count, dtype=torch.float64, device=dev)  # ... of the rows r >= j
+    col = torch.empty(n, e_count, dtype=dt, device=dev)
+    gain = torch.empty(n, e_count, dtype=dt, device=dev)
+    cand = torch.empty(n, n_pen, e_count, dtype=dt, device=dev)
+    pen = pen.view(n_pen, 1)
     for b in range(1, n + 1):
-        best, arg = (g[:b] + wt[b, :b]).max(0)  # first maximum: ties go to the earliest start
-        g[b] = best - pen
-        back[b] = arg
-    out = torch.zeros(n + 1, *batch, n_pen, dtype=torch.bool, device=dev)
-    pos = torch.full((1, *batch, n_pen), n, dtype=torch.long, device=dev)
+        j = b - 1
+        if j > 0:
+            column = torch.cumsum(xt[j, :j], 0)  # [j, E]: sum over i <= r of M[i, j]
+            rows[:j] += column
+            full += column[j - 1]  # the full column sum
+        rows[j] = full
+        col[:b].copy_(rows[:b])  # P[r + 1, b] for r < b, rounded as the cumsum rounds
+        gain[0] = col[j]  # W(0, b) = P[b, b]
+        torch.sub(col[j], col[:j], out=gain[1:b])  # W(a, b) = P[b, b] - P[a, b]
+        c = cand[:b]
+        torch.add(g[:b], gain[:b, None], out=c)  # F(a) (- penalty) + W(a, b)
+        best = torch.amax(c, 0)
+        torch.sub(best, pen, out=g[b])
+        key = c.sub_(best).view(bits).bitwise_or_(weights[n - b:].view(b, 1, 1))
+        back[b] = b - torch.amax(key, 0)  # the first start reaching the maximum
+    return back
+
+
+def _segment_starts(back: torch.Tensor) -> torch.Tensor:
+    """Segment starts [E, P, n] (bool, index 0 False) from the back pointers
+    [n + 1, P, E] of :func:`_segmentation_pointers`."""
+    n = back.shape[0] - 1
+    out = torch.zeros(n + 1, *back.shape[1:], dtype=torch.bool, device=back.device)
+    pos = torch.full((1, *back.shape[1:]), n, dtype=torch.long, device=back.device)
     for _ in range(n):
-        start = back.gather(0, pos)
+        start = back.gather(0, pos).long()
         out.scatter_(0, start, True)
         pos = start
         if not bool(pos.any()):
             break
-    res = out[:n].permute(*range(1, nb + 2), 0).clone()  # [..., P, n]
+    res = out[:n].permute(2, 1, 0).clone()  # [E, P, n]
     res[..., 0] = False
+    return res
+
+
+def _optimal_segmentation(m: torch.Tensor, pen: torch.Tensor, scalar: bool) -> torch.Tensor:
+    """:func:`optimal_segmentation` after its checks (``pen``: 1-D float64 penalties)."""
+    return _segmentation_of_step_major(_step_major(m), pen, m.shape[:-2], scalar)
+
+
+def _segmentation_of_step_major(xt: torch.Tensor, pen: torch.Tensor, batch,
+                                scalar: bool = False) -> torch.Tensor:
+    """:func:`optimal_segmentation` of step-major matrices ``xt`` [n, n, E] (see
+    :func:`_step_major`), ``E`` the product of ``batch``: [*batch, P, n] bool (or
+    [*batch, n] with ``scalar``)."""
+    n = xt.shape[0]
+    back = _segmentation_pointers(xt, pen.to(device=xt.device, dtype=xt.dtype))
+    res = _segment_starts(back).view(*batch, pen.shape[0], n)
     return res[..., 0, :] if scalar else res
 
 
@@ -496,13 +556,34 @@ def texttiling_scores(x: torch.Tensor, width: int) -> torch.Tensor:
     n = x.shape[-2]
     if n < 2:
         raise ValueError(f"x: expected n >= 2 tokens, got {n}")
-    x = x.to(torch.float64)
-    c = torch.nn.functional.pad(x.cumsum(-2), (0, 0, 1, 0))  # [..., n+1, D]
-    t = torch.arange(1, n, device=x.device)
-    lo = (t - width).clamp(min=0)
-    hi = (t + width).clamp(max=n)
-    left = (c[..., t, :] - c[..., lo, :]) / (t - lo).unsqueeze(-1)
-    right = (c[..., hi, :] - c[..., t, :]) / (hi - t).unsqueeze(-1)
+    return _texttiling_depth(_texttiling_prefix(x), width)
+
+
+def _texttiling_prefix(x: torch.Tensor) -> torch.Tensor:
+    """The float64 prefix sums over tokens [..., n + 1, D] (row 0 zero) that
+    :func:`texttiling_scores` reads, shared by every block width."""
+    return torch.nn.functional.pad(x.to(torch.float64).cumsum(-2), (0, 0, 1, 0))
+
+
+def _texttiling_depth(c: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`texttiling_scores` from the prefix sums ``c`` of :func:`_texttiling_prefix`.
+
+    The block sums are differences of slices of ``c`` (the gaps whose block is clipped
+    at an end of the window apart from the others), divided by the block lengths: the
+    numbers of an index-gathered difference, without the gathered copies.
+    """
+    n = c.shape[-2] - 1
+    t = torch.arange(1, n, device=c.device)
+    k0 = min(width, n - 1)  # left blocks clipped at the start: gaps t = 1..k0
+    left = c.new_empty((*c.shape[:-2], n - 1, c.shape[-1]))
+    torch.sub(c[..., 1:k0 + 1, :], c[..., :1, :], out=left[..., :k0, :])
+    torch.sub(c[..., k0 + 1:n, :], c[..., 1:n - k0, :], out=left[..., k0:, :])
+    left.div_(torch.clamp(t, max=width).to(c.dtype).unsqueeze(-1))  # t - max(t - width, 0)
+    m = min(n - 1, max(0, n - width))  # right blocks inside the window: gaps t = 1..m
+    right = c.new_empty(left.shape)
+    torch.sub(c[..., 1 + width:1 + width + m, :], c[..., 1:1 + m, :], out=right[..., :m, :])
+    torch.sub(c[..., n:, :], c[..., 1 + m:n, :], out=right[..., m:, :])
+    right.div_(torch.clamp(n - t, max=width).to(c.dtype).unsqueeze(-1))  # min(t + width, n) - t
     s = torch.nn.functional.cosine_similarity(left, right, dim=-1)  # [..., n-1]
     # climb to the peaks: running maxima while non-decreasing, left and right
     g = n - 1

@@ -451,9 +451,17 @@ def _predict_all(methods, feats, generator, workers=1):
         pen = torch.tensor(pens, dtype=torch.float64)
 
         def run(chunk):
-            # combine() checked every matrix: the stack goes to the programme unchecked
-            stacked = torch.stack([m.matrix(feats) for m in chunk])  # [C, N, n, n]
-            pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
+            # combine() checked every matrix: they go to the programme unchecked, each
+            # copied into the chunk's step-major matrices as it is formed
+            n_windows, n = feats.hidden.shape[:2]
+            xt = None  # [n, n, C N]
+            for c, m in enumerate(chunk):
+                matrix = m.matrix(feats)
+                if xt is None:
+                    xt = matrix.new_empty((n, n, len(chunk) * n_windows))
+                sg._step_major(matrix, out=xt[:, :, c * n_windows:(c + 1) * n_windows])
+                del matrix
+            pred = sg._segmentation_of_step_major(xt, pen, (len(chunk), n_windows)).cpu()
             return {m.name: pred[c, :, pens.index(m.params["penalty"])]
                     for c, m in enumerate(chunk)}
 
@@ -540,52 +548,91 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
     if not bool(torch.isfinite(pen).all()):
         raise ValueError(f"penalties: expected finite values, got {penalties!r}")
     gold = gold.cpu()
-    tasks = [functools.partial(_tune_family, family, src, gold, list(final_layers), pen,
-                               head_fractions)
-             for family, src in (("head outputs", feats.heads), ("attention", feats.attention))]
-    tasks.append(functools.partial(_tune_texttiling, feats.hidden, gold, widths, cutoffs))
-    heads_rows, attention_rows, texttiling = _run_tasks(tasks, workers)
-    methods: list[Method] = [*heads_rows, *attention_rows, texttiling]
+    families = (("head outputs", feats.heads), ("attention", feats.attention))
+    widths = [w for w in widths if w < gold.shape[-1]]
+    # first each family's head ranking and head sums (and TextTiling's prefix sums),
+    # then every chunk of candidates of both families and every TextTiling width: all
+    # independent, side by side; their results are read back in order
+    first = [functools.partial(_family_candidates, src, gold, list(final_layers),
+                               head_fractions) for _, src in families]
+    first.append(functools.partial(sg._texttiling_prefix, feats.hidden))
+    *candidates, prefix = _run_tasks(first, workers)
+    chunks = [list(_dp_chunks(c, 2 * gold.shape[0])) for c in candidates]  # pairs
+    tasks = [functools.partial(_score_chunk, chunk, gold, pen)
+             for family_chunks in chunks for chunk in family_chunks]
+    tasks += [functools.partial(_score_texttiling, prefix, gold, w, cutoffs) for w in widths]
+    results = iter(_run_tasks(tasks, workers))
+    methods: list[Method] = []
+    for (family, src), family_chunks in zip(families, chunks):
+        scored = [s for _ in family_chunks for s in next(results)]
+        methods += _family_methods(family, scored, src.shape[1])
+    best_tt = None
+    for w in widths:
+        for c, f1 in zip(cutoffs, next(results)):
+            if best_tt is None or f1 > best_tt[0]:
+                best_tt = (f1, dict(width=w, cutoff=c, dev_f1=f1))
+    methods.append(Method("TextTiling, final hidden states", "TextTiling", best_tt[1]))
     rate = float(gold[:, 1:].float().mean())
     methods.append(Method("random at the gold rate", "random", dict(rate=rate)))
     methods.append(Method("evenly spaced", "even", dict(spacing=max(1.0, 1.0 / max(rate, 1e-9)))))
     return methods
 
 
-def _tune_family(family, src, gold, final_layers, pen, head_fractions) -> list:
-    """The "tuned" row and the per-layer rows of one family (see :func:`tune`)."""
+def _family_candidates(src, gold, final_layers, head_fractions) -> list:
+    """Every candidate of one family (see :func:`tune`), in the order ties are broken:
+    pairs ``[(params, recipe) without, with detrending]`` of one head fraction and
+    layer set, the recipe saying how :func:`_score_chunk` forms its matrices from head
+    sums computed here once per layer (the same sums :func:`combine` forms)."""
     n_layers, n_heads = src.shape[1], src.shape[2]
     contrast = head_contrast(src, gold.to(src.device))
     order = contrast.argsort(dim=-1, descending=True).cpu()
-    candidates = []  # (params, the matrices' recipe): formed when their chunk runs
+    pairs = []
     for frac in head_fractions:
         k = max(1, int(round(frac * n_heads)))
         top = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
-        # the same sums combine() forms, computed once per layer
         sums = {ly: sg._head_sum(src, ly, top[ly]) for ly in range(n_layers)}
         for ly in range(n_layers):  # every candidate is made from these: checked once
             sg._check_square("feats", sums[ly])
         for layers in _layer_sets(n_layers, final_layers):
-            for detrend in (False, True):
-                params = dict(layers=list(layers), heads={ly: top[ly] for ly in layers},
-                              detrend=detrend, head_fraction=frac, all_heads=(k == n_heads))
-                candidates.append((params, (sums, layers, k * len(layers), detrend)))
+            pairs.append([(dict(layers=list(layers), heads={ly: top[ly] for ly in layers},
+                                detrend=detrend, head_fraction=frac,
+                                all_heads=(k == n_heads)),
+                           (sums, layers, k * len(layers), detrend))
+                          for detrend in (False, True)])
+    return pairs
 
-    def matrix(recipe):
-        sums, layers, count, detrend = recipe
-        return sg._finish(sg._mean_of_sums([sums[ly] for ly in layers], count), detrend)
 
+def _score_chunk(chunk, gold, pen) -> list:
+    """``[(dev F1, params with the best penalty)]`` of every candidate of a chunk of
+    pairs (:func:`_family_candidates`): their matrices formed in step-major layout, one
+    programme over all of them, with every penalty."""
+    items = [item for pair in chunk for item in pair]
+    n_windows, n = gold.shape
+    xt = None  # [n, n, C N]
+    for p, pair in enumerate(chunk):
+        sums, layers, count, _ = pair[0][1]
+        mean = sg._mean_of_sums([sums[ly] for ly in layers], count)  # shared by the pair
+        for d, (_, recipe) in enumerate(pair):
+            m = sg._finish(mean, recipe[3])
+            if xt is None:
+                xt = m.new_empty((n, n, len(items) * n_windows))
+            c = 2 * p + d
+            sg._step_major(m, out=xt[:, :, c * n_windows:(c + 1) * n_windows])
+            del m
+        del mean
+    pred = sg._segmentation_of_step_major(xt, pen, (len(items), n_windows)).cpu()
+    del xt
+    f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
     scored = []
-    for chunk in _dp_chunks(candidates, gold.shape[0]):
-        stacked = torch.stack([matrix(recipe) for _, recipe in chunk])  # [C, N, n, n]
-        pred = sg._optimal_segmentation(stacked, pen, False).cpu()  # [C, N, P, n]
-        del stacked
-        f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
-        for c, (params, _) in enumerate(chunk):
-            i = int(f1[c].argmax())
-            scored.append((float(f1[c, i]), {**params, "penalty": float(pen[i]),
-                                             "dev_f1": float(f1[c, i])}))
-    del candidates
+    for c, (params, _) in enumerate(items):
+        i = int(f1[c].argmax())  # first maximum: the smaller penalty
+        scored.append((float(f1[c, i]), {**params, "penalty": float(pen[i]),
+                                         "dev_f1": float(f1[c, i])}))
+    return scored
+
+
+def _family_methods(family, scored, n_layers) -> list:
+    """The "tuned" row and the per-layer rows of one family from its scored candidates."""
     best = max(scored, key=lambda x: x[0])  # first maximum
     methods = [Method(f"{family}, tuned", family, best[1])]
     for ly in range(n_layers):
@@ -595,17 +642,11 @@ def _tune_family(family, src, gold, final_layers, pen, head_fractions) -> list:
     return methods
 
 
-def _tune_texttiling(hidden, gold, widths, cutoffs) -> Method:
-    best_tt = None
-    for w in widths:
-        if w >= gold.shape[-1]:
-            continue
-        depth = sg.texttiling_scores(hidden, w)
-        for c in cutoffs:
-            f1 = _f1_pm1(gold, sg.texttiling_cut(depth, c).cpu())
-            if best_tt is None or f1 > best_tt[0]:
-                best_tt = (f1, dict(width=w, cutoff=c, dev_f1=f1))
-    return Method("TextTiling, final hidden states", "TextTiling", best_tt[1])
+def _score_texttiling(prefix, gold, width, cutoffs) -> list[float]:
+    """The development F1 (±1) of TextTiling at one block width, for every cutoff."""
+    depth = sg._texttiling_depth(prefix, width)
+    cuts = torch.stack([sg.texttiling_cut(depth, c) for c in cutoffs]).cpu()
+    return [float(f1) for f1 in _f1_pm1_batched(gold, cuts)]
 
 
 # --------------------------------------------------------------------------- scores
