@@ -196,6 +196,18 @@ def test_standardise_into_gives_the_same_numbers(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_detrend_and_mean_of_sums_into_buffers_give_the_same_numbers(dtype):
+    g = torch.Generator().manual_seed(5)
+    sums = [torch.randn(3, 9, 9, generator=g, dtype=dtype) for _ in range(3)]
+    for k in (1, 2, 3):  # one layer (a division), two, three (added in order)
+        out = torch.empty_like(sums[0])
+        assert torch.equal(sg._mean_of_sums(sums[:k], 4 * k, out=out),
+                           sg._mean_of_sums(sums[:k], 4 * k))
+    m = sums[0]
+    assert torch.equal(sg._detrend(m, out=torch.empty_like(m)), sg._detrend(m))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_head_sums_from_a_run_of_heads_equal_the_gathered_sums(dtype):
     x = torch.randn(3, 2, 12, 7, 7, generator=torch.Generator().manual_seed(4), dtype=dtype)
     for heads in ([0], [2, 3, 4], list(range(12)), [1, 5, 6]):

@@ -183,7 +183,9 @@ def detrend(m: torch.Tensor) -> torch.Tensor:
     return _detrend(m)
 
 
-def _detrend(m: torch.Tensor) -> torch.Tensor:
+def _detrend(m: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`detrend` without checks; into ``out`` (contiguous, the shape and dtype of
+    ``m``, not overlapping it) when given, with the same numbers."""
     n = m.shape[-1]
     idx = torch.arange(n, device=m.device)
     dist = (idx[:, None] - idx[None, :]).abs()  # [n, n]
@@ -192,7 +194,11 @@ def _detrend(m: torch.Tensor) -> torch.Tensor:
     sums.index_add_(-1, dist.reshape(-1), flat)
     counts = torch.bincount(dist.reshape(-1), minlength=n).to(m.dtype)
     means = sums / counts
-    out = m - means[..., dist]
+    if out is None:
+        out = m - means[..., dist]
+    else:  # the gathered means, then m less them, in out (no whole-size temporary)
+        torch.index_select(means, -1, dist.reshape(-1), out=out.view(*m.shape[:-2], n * n))
+        torch.sub(m, out, out=out)
     out.diagonal(dim1=-2, dim2=-1).zero_()
     return out
 
@@ -296,11 +302,20 @@ def _head_sum(sims, layer, heads, prepare=None) -> torch.Tensor:
     return s.sum(1)
 
 
-def _mean_of_sums(sums, count: int) -> torch.Tensor:
-    total = sums[0]
-    for s in sums[1:]:
-        total = total + s
-    return total / count
+def _mean_of_sums(sums, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(sums[0] + sums[1] + ...) / count``; into ``out`` (not overlapping the sums)
+    when given, with the same numbers."""
+    if out is None:
+        total = sums[0]
+        for s in sums[1:]:
+            total = total + s
+        return total / count
+    if len(sums) == 1:
+        return torch.div(sums[0], count, out=out)
+    torch.add(sums[0], sums[1], out=out)
+    for s in sums[2:]:
+        out.add_(s)
+    return out.div_(count)
 
 
 def _finish(mean: torch.Tensor, detrend: bool) -> torch.Tensor:

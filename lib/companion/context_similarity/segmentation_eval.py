@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import re
 from dataclasses import dataclass, field
 
@@ -558,7 +559,10 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
     first.append(functools.partial(sg._texttiling_prefix, feats.hidden))
     *candidates, prefix = _run_tasks(first, workers)
     chunks = [list(_dp_chunks(c, 2 * gold.shape[0])) for c in candidates]  # pairs
-    tasks = [functools.partial(_score_chunk, chunk, gold, pen)
+    buffers = queue.SimpleQueue()  # one set of work tensors per worker, reused
+    for _ in range(max(1, min(int(workers), sum(map(len, chunks))))):
+        buffers.put({})
+    tasks = [functools.partial(_score_chunk, chunk, gold, pen, buffers)
              for family_chunks in chunks for chunk in family_chunks]
     tasks += [functools.partial(_score_texttiling, prefix, gold, w, cutoffs) for w in widths]
     results = iter(_run_tasks(tasks, workers))
@@ -602,26 +606,55 @@ def _family_candidates(src, gold, final_layers, head_fractions) -> list:
     return pairs
 
 
-def _score_chunk(chunk, gold, pen) -> list:
+def _score_chunk(chunk, gold, pen, buffers=None) -> list:
     """``[(dev F1, params with the best penalty)]`` of every candidate of a chunk of
     pairs (:func:`_family_candidates`): their matrices formed in step-major layout, one
-    programme over all of them, with every penalty."""
+    programme over all of them, with every penalty.
+
+    ``buffers``: a queue of dicts of work tensors, one taken for the call and put back:
+    the matrices are formed in tensors kept between chunks (at paper size each is
+    tens of MB, which a fresh allocation maps page by page again every time), with the
+    same numbers (:func:`companion.context_similarity.segmentation._mean_of_sums`,
+    ``_detrend`` and ``_standardise_into`` with ``out``).
+    """
     items = [item for pair in chunk for item in pair]
     n_windows, n = gold.shape
-    xt = None  # [n, n, C N]
+    work = buffers.get() if buffers is not None else {}
+    try:
+        return _score_chunk_in(chunk, items, gold, pen, work, n_windows, n)
+    finally:
+        if buffers is not None:
+            buffers.put(work)
+
+
+def _buffer(work: dict, name: str, shape, like: torch.Tensor) -> torch.Tensor:
+    """``work[name]`` with this shape and ``like``'s dtype and device (made when missing
+    or different)."""
+    t = work.get(name)
+    shape = tuple(shape)
+    if t is None or tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device:
+        work.pop(name, None)
+        t = work[name] = like.new_empty(shape)
+    return t
+
+
+def _score_chunk_in(chunk, items, gold, pen, work, n_windows, n) -> list:
+    first = chunk[0][0][1]
+    like = first[0][first[1][0]]  # a head sum: the matrices' dtype and device
+    xt = _buffer(work, "step_major", (n, n, len(items) * n_windows), like)
+    mean = _buffer(work, "mean", like.shape, like)
+    matrix = _buffer(work, "matrix", like.shape, like)
     for p, pair in enumerate(chunk):
         sums, layers, count, _ = pair[0][1]
-        mean = sg._mean_of_sums([sums[ly] for ly in layers], count)  # shared by the pair
+        sg._mean_of_sums([sums[ly] for ly in layers], count, out=mean)  # shared by the pair
         for d, (_, recipe) in enumerate(pair):
-            m = sg._finish(mean, recipe[3])
-            if xt is None:
-                xt = m.new_empty((n, n, len(items) * n_windows))
+            if recipe[3]:  # detrended
+                sg._standardise_into(sg._detrend(mean, out=matrix), matrix)
+            else:
+                sg._standardise_into(mean, matrix)
             c = 2 * p + d
-            sg._step_major(m, out=xt[:, :, c * n_windows:(c + 1) * n_windows])
-            del m
-        del mean
+            sg._step_major(matrix, out=xt[:, :, c * n_windows:(c + 1) * n_windows])
     pred = sg._segmentation_of_step_major(xt, pen, (len(items), n_windows)).cpu()
-    del xt
     f1 = _f1_pm1_batched(gold, pred.transpose(1, 2))  # [C, P]
     scored = []
     for c, (params, _) in enumerate(items):
