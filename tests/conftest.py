@@ -14,11 +14,17 @@ CHAPTERS = sorted(p.stem for p in (REPO / "chapters").glob("*.md"))
 
 # Test files that take longest, run first (with `make test`'s --no-loadscope-reorder the
 # xdist workers take files in collection order): the chapters' smoke runs and the book
-# they make, then the files of many runs and processes. The other files keep their order.
+# they make, then the files of many runs and processes, then the longest files of small
+# tests, so that the last files a worker takes are short (a long file last left the other
+# worker idle for its length). The other files keep their order.
 SLOW_FILES_FIRST = ("test_chapters_smoke.py", "test_smoke_book.py", "test_runner.py",
                     "test_portable_notebook.py", "test_runner_interrupts.py",
                     "test_lra_training.py", "test_pages_and_book.py",
-                    "test_context_similarity.py", "test_gpu_scripts.py")
+                    "test_context_similarity.py", "test_gpu_scripts.py", "test_sbm.py",
+                    "test_hasse_empirical.py", "test_lra_tasks.py",
+                    "test_fast_equals_reference.py", "test_reachability.py",
+                    "test_gradient_flow.py", "test_parallel.py", "test_segmentation.py",
+                    "test_edge_attention.py", "test_publishing.py")
 
 
 def pytest_collection_modifyitems(items):
