@@ -1,4 +1,5 @@
-"""The corpus pass: :func:`analyse_corpus` over windows, batch by batch, in one process,
+"""The corpus pass: :func:`analyse_corpus` over windows, batch by batch (two at once on
+a CPU: lanes, see :class:`CaptureSettings`), in one process,
 sharded over ``torch.distributed`` ranks, or started under ``torchrun`` from here
 (``nproc``); and the ``torchrun -m companion.context_similarity`` command line.
 """
@@ -40,7 +41,8 @@ _SHARED_WORKSPACES: dict[str, Workspace] = {}
 
 def clear_workspaces() -> None:
     """Free the work buffers :func:`analyse_corpus` keeps between calls (about
-    ``12 L H B T^2`` bytes per device in float32, ~180 MB for MiniLM, batches of 16).
+    ``12 L H B T^2`` bytes per device and lane in float32, ~180 MB for MiniLM, batches
+    of 16).
 
     >>> clear_workspaces()
     """
@@ -116,8 +118,11 @@ def analyse_corpus(
         takes every ``nproc``-th batch, and the all-reduced statistics come back, per-window
         parts in window order. Default: the book's ``--nproc`` (``COMPANION_NPROC``, 1).
         Ignored inside an initialised process group (the ranks are already there).
-    settings : :class:`CaptureSettings` of the forward pass (speed only: the default stops
-        it after the last layer's attention; the statistics are the same either way).
+    settings : :class:`CaptureSettings` of the pass (speed only: the default stops the
+        forward after the last layer's attention and, on a CPU with two or more intra-op
+        threads, keeps two batches in flight on two lanes, one intra-op thread each,
+        their parts added in batch order; the statistics are the same either way, bit
+        for bit).
     into : statistics to add these windows to, in batch order (one per ``where`` entry,
         None: fresh ones), instead of new ones; their own ``per_window`` and tracked tokens
         apply. Two calls over consecutive windows then sum exactly as one call over all of
@@ -135,8 +140,9 @@ def analyse_corpus(
     Complexity
     ----------
     One forward pass per window plus O(L H T^2) per window for the statistics. Memory:
-    work buffers of about ``12 L H B T^2`` bytes (float32), kept between calls on each
-    device (:func:`clear_workspaces` frees them); not for concurrent calls from threads.
+    work buffers of about ``12 L H B T^2`` bytes (float32) per lane, kept between calls on
+    each device (:func:`clear_workspaces` frees them); not for concurrent calls from
+    threads (the lanes are this call's own).
     """
     from companion.corpora import Windows
 
