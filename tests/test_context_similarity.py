@@ -962,6 +962,8 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
                 **opts, "where": "post_wo", "per_window": True, "batch_size": 1})
             assert torch.get_num_threads() == threads
             assert model.config._attn_implementation == "eager"
+            # only lane 0's work buffers outlive the pass (the serial path's keys)
+            assert set(corpus._SHARED_WORKSPACES) <= {"cpu", "cpu/where1"}
             runs.append((first, second, post, single))
     finally:
         torch.set_num_threads(before)
@@ -973,18 +975,22 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
 
 def test_lanes_add_in_order_and_raise_the_first_error():
     """corpus._in_lanes: lane ``l`` computes jobs ``l, l + n, ...``; the adds come in job
-    order whatever the lanes' speeds; an error in any lane is raised (the other lanes
-    stop), and the caller's thread count is restored."""
+    order though the lanes finish out of order (lane 0's compute of each job waits, with
+    events, until the next job is computed on another lane); an error in any lane is
+    raised (the other lanes stop), and the caller's thread count is restored."""
     import threading
-    import time
 
     before = torch.get_num_threads()
     for n_lanes, n_jobs in ((2, 7), (3, 5), (2, 1), (3, 0)):
-        added, computed_on = [], {}
+        added, computed_on, finished = [], {}, []
+        computed = [threading.Event() for _ in range(n_jobs)]
 
         def compute(job, lane):
             computed_on[job] = (lane, threading.current_thread().name, torch.get_num_threads())
-            time.sleep(0.002 * ((job * 7) % 3))  # lanes finish out of order
+            if lane == 0 and job + 1 < n_jobs:  # the next job (lane 1's) is done first
+                assert computed[job + 1].wait(timeout=30), "lanes deadlocked"
+            finished.append(job)
+            computed[job].set()
             return job * job
 
         corpus._in_lanes(n_lanes, 2 * n_lanes, n_jobs, compute,
@@ -992,6 +998,9 @@ def test_lanes_add_in_order_and_raise_the_first_error():
         assert added == [(job, job * job) for job in range(n_jobs)]
         assert all(lane == job % n_lanes and threads == 2
                    for job, (lane, _, threads) in computed_on.items())
+        if n_jobs > 1:  # out of order: every job of lane 0 after the one that follows it
+            assert all(finished.index(job) > finished.index(job + 1)
+                       for job in range(0, n_jobs - 1, n_lanes))
         assert torch.get_num_threads() == before
     for failing_lane in (0, 1):
         def compute(job, lane):
@@ -1006,11 +1015,40 @@ def test_lanes_add_in_order_and_raise_the_first_error():
         assert torch.get_num_threads() == before
 
 
+def test_lanes_restore_the_thread_count_after_every_lane_stopped():
+    """An error in a lane (here lane 1's first job, while lane 2 has not started: it
+    waits on an event) leaves the caller's intra-op thread count as it was: the count is
+    restored once the pool has stopped, so no lane can set its count of one afterwards."""
+    import threading
+
+    before = torch.get_num_threads()
+    release = threading.Event()
+
+    def compute(job, lane):
+        if lane == 1:
+            raise KeyboardInterrupt  # an interrupt, not an Exception
+        if lane == 2:
+            assert release.wait(timeout=30), "lane 2 never released"
+        return job
+
+    torch.set_num_threads(3)
+    try:
+        def add(job, value):
+            release.set()  # lane 0 has added job 0: let lane 2 go (it then stops)
+
+        with pytest.raises(KeyboardInterrupt):
+            corpus._in_lanes(3, 3, 9, compute, add)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_forward_numbers_do_not_depend_on_the_thread_count():
     """The premise of lanes: what the statistics read of a forward pass (head outputs,
     maps, received attention) of the bundled MiniLM in float32 at the chapter's batch
-    shape (16 windows of 128 tokens) is the same bit for bit at 1 and 2 intra-op
-    threads."""
+    shape (16 windows of 128 tokens) is the same bit for bit at 1 and at 2, 3 and 4
+    intra-op threads (lanes run one intra-op thread each, the serial pass all of them;
+    CaptureSettings.lanes is at most 4)."""
     try:
         model, tok = load_encoder(device="cpu")
     except ModelNotFoundError as exc:  # pragma: no cover - the venv ships it
@@ -1025,14 +1063,15 @@ def test_forward_numbers_do_not_depend_on_the_thread_count():
     before = torch.get_num_threads()
     got = []
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 3, 4):
             torch.set_num_threads(threads)
             r = analyse_batch(model, batch)
             got.append([r.outputs.clone(), torch.stack(r.attentions), r.received_attention])
     finally:
         torch.set_num_threads(before)
-    for one, two in zip(*got):
-        assert torch.equal(one, two)
+    for other in got[1:]:
+        for one, two in zip(got[0], other):
+            assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -1084,6 +1123,8 @@ def test_capture_settings_bad_input_names_the_parameter():
         CaptureSettings(lanes=0)
     with pytest.raises(TypeError, match="lanes"):
         CaptureSettings(lanes=1.5)
+    with pytest.raises(ValueError, match="lanes"):
+        CaptureSettings(lanes=5)  # the forward is tested to 4 threads
     with pytest.raises(TypeError, match="side_by_side_updates"):
         CaptureSettings(side_by_side_updates=1)
 

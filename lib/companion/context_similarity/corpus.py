@@ -119,8 +119,8 @@ def analyse_corpus(
         parts in window order. Default: the book's ``--nproc`` (``COMPANION_NPROC``, 1).
         Ignored inside an initialised process group (the ranks are already there).
     settings : :class:`CaptureSettings` of the pass (speed only: the default stops the
-        forward after the last layer's attention and, on a CPU with two or more intra-op
-        threads, keeps two batches in flight on two lanes, one intra-op thread each,
+        forward after the last layer's attention and, on a CPU with two intra-op threads
+        (2 to ``lanes``), keeps that many batches in flight, one intra-op thread each,
         their parts added in batch order; the statistics are the same either way, bit
         for bit).
     into : statistics to add these windows to, in batch order (one per ``where`` entry,
@@ -140,8 +140,9 @@ def analyse_corpus(
     Complexity
     ----------
     One forward pass per window plus O(L H T^2) per window for the statistics. Memory:
-    work buffers of about ``12 L H B T^2`` bytes (float32) per lane, kept between calls on
-    each device (:func:`clear_workspaces` frees them); not for concurrent calls from
+    work buffers of about ``12 L H B T^2`` bytes (float32) per lane, lane 0's kept between
+    calls on each device (:func:`clear_workspaces` frees them), the other lanes' freed
+    when the call returns; not for concurrent calls from
     threads (the lanes are this call's own).
     """
     from companion.corpora import Windows
@@ -212,13 +213,19 @@ def analyse_corpus(
         bar = tqdm(total=len(windows), desc=f"context similarity ({'+'.join(wheres)})",
                    unit="window")
     threads = torch.get_num_threads()
-    n_lanes = min(settings.lanes, threads, len(mine)) if model_device.type == "cpu" else 1
+    # lanes only where each gets one intra-op thread (threads <= lanes): the forward's
+    # numbers at one thread equal those at 2, 3 and 4 (tested), not assumed beyond
+    n_lanes = (min(threads, len(mine)) if model_device.type == "cpu" and threads <= settings.lanes
+               else 1)
 
     def lane_workspaces(lane):
-        """One workspace per where for the update's buffers (the capture's in the first)."""
-        prefix = str(model_device) if lane == 0 else f"{model_device}/lane{lane}"
-        return [_SHARED_WORKSPACES.setdefault(prefix if n == 0 else f"{prefix}/where{n}",
-                                              Workspace()) for n in range(len(fresh))]
+        """One workspace per where for the update's buffers (the capture's in the first):
+        lane 0's (the serial path's) kept between calls, the other lanes' this call's own."""
+        if lane == 0:
+            return [_SHARED_WORKSPACES.setdefault(
+                str(model_device) if n == 0 else f"{model_device}/where{n}", Workspace())
+                for n in range(len(fresh))]
+        return [Workspace() for _ in fresh]
 
     def forward(position, workspace):
         k = mine[position]
@@ -249,7 +256,8 @@ def analyse_corpus(
                     s.add_parts(batch_parts)
                 advance(n_windows)
 
-            _in_lanes(n_lanes, threads, len(mine), compute, add)
+            _in_lanes(n_lanes, n_lanes, len(mine), compute, add)  # one intra-op thread each
+            del workspaces  # the other lanes' buffers go with the pass
         else:
             _one_batch_at_a_time(fresh, lane_workspaces(0), len(mine), forward, advance,
                                  side_by_side=(settings.side_by_side_updates
@@ -322,24 +330,25 @@ def _in_lanes(n_lanes: int, threads: int, n_jobs: int, compute, add) -> None:
             raise
 
     errors = []
-    with ThreadPoolExecutor(n_lanes - 1, thread_name_prefix="similarity-lane") as pool:
-        others = [pool.submit(lane, index) for index in range(1, n_lanes)]
-        try:
-            lane(0)
-        except _Cancelled:
-            pass
-        except BaseException as exc:  # an interrupt too (lane() has stopped the others)
-            errors.append(exc)
-        try:
-            for future in others:
-                exc = future.exception()
-                if exc is not None and not isinstance(exc, _Cancelled):
-                    errors.append(exc)
-        except BaseException:  # interrupted while waiting: stop the other lanes
-            turns.cancel()
-            raise
-        finally:
-            torch.set_num_threads(caller)  # the lanes' counts may be shared: restore
+    try:
+        with ThreadPoolExecutor(n_lanes - 1, thread_name_prefix="similarity-lane") as pool:
+            others = [pool.submit(lane, index) for index in range(1, n_lanes)]
+            try:
+                lane(0)
+            except _Cancelled:
+                pass
+            except BaseException as exc:  # an interrupt too (lane() has stopped the others)
+                errors.append(exc)
+            try:
+                for future in others:
+                    exc = future.exception()
+                    if exc is not None and not isinstance(exc, _Cancelled):
+                        errors.append(exc)
+            except BaseException:  # interrupted while waiting: stop the other lanes
+                turns.cancel()
+                raise
+    finally:  # every lane has stopped (the pool's exit waits): none sets a count after this
+        torch.set_num_threads(caller)  # the lanes' counts may be shared: restore
     if errors:
         raise errors[0]
 
