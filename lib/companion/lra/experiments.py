@@ -125,6 +125,10 @@ _DATA: dict = {}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX: 4 MiB * sizeof(long), the documented upper limit
+_MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
+
+
 def keep_freed_memory(*, mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
     """Let glibc's heap in this process reuse freed buffers instead of mapping fresh pages.
 
@@ -138,13 +142,21 @@ def keep_freed_memory(*, mmap_threshold: int = 32 << 20, trim_threshold: int = 2
     from: every value computed is the same. Process-wide and permanent: for worker
     processes that only train (:func:`run_jobs` calls it in each one), not for a process
     that later measures memory (:func:`peak_memory`). Returns False where glibc's
-    ``mallopt`` is not available (nothing is changed).
+    ``mallopt`` is not available (nothing is changed). ``mmap_threshold`` is at most
+    glibc's ``DEFAULT_MMAP_THRESHOLD_MAX``, ``4 MiB * sizeof(long)`` (32 MiB on 64-bit):
+    mallopt(3) documents it as the upper limit and glibc before 2.35 refuses more
+    (2.36 accepts it), checked here before anything is set, so that neither threshold
+    changes on a refusal.
 
-    >>> keep_freed_memory(mmap_threshold=-1)  # checked before anything is set
+    >>> keep_freed_memory(mmap_threshold=-1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: mmap_threshold: expected an int >= 0, got -1
+    ValueError: mmap_threshold: expected an int in [0, ...], got -1
+    >>> keep_freed_memory(mmap_threshold=(32 << 20) + 1)  # over 32 MiB: refused first
+    Traceback (most recent call last):
+    ValueError: mmap_threshold: expected an int in [0, 33554432], got 33554433
     """
-    mmap_threshold = check_int("mmap_threshold", mmap_threshold, minimum=0)
+    mmap_threshold = check_int("mmap_threshold", mmap_threshold, minimum=0,
+                               maximum=_MMAP_THRESHOLD_MAX)
     trim_threshold = check_int("trim_threshold", trim_threshold, minimum=0)
     try:
         libc = ctypes.CDLL("libc.so.6")
