@@ -1301,3 +1301,50 @@ def test_analyse_corpus_on_full_and_padded_windows_at_any_batch_size(minilm64):
         for name, value in stats.tensors().items():
             torch.testing.assert_close(value.double(), ref[name], atol=1e-9, rtol=1e-9,
                                        msg=lambda m, name=name: f"size {size}, {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_outputs_maps_are_a_view_a_later_call_leaves_alone(tiny_model_dir, dtype):
+    """head_outputs' attention maps: the pass's [L, B, H, T, T] buffer seen as
+    [B, L, H, T, T] (no copy), equal bit for bit to the per-layer maps stacked (what it
+    returned before); a second call (other windows) does not overwrite the first's."""
+    from companion.context_similarity import capture
+
+    model, tok = load_encoder(str(tiny_model_dir), device="cpu", dtype=dtype)
+    wins = _small_windows(tok, length=16)
+    first = {"input_ids": wins.input_ids[:3], "attention_mask": wins.attention_mask[:3]}
+    ho = head_outputs(model, first)
+    kept = ho.attentions.clone()
+    _, maps, _, _ = capture._capture(model, capture._batch_tensors(first, model))
+    assert torch.equal(ho.attentions, torch.stack(maps.unbind(0), dim=1))
+    assert ho.attentions._base is not None and ho.attentions.shape == (3, *maps.shape[0:1],
+                                                                       *maps.shape[2:])
+    head_outputs(model, {"input_ids": wins.input_ids[2:], "attention_mask":
+                         wins.attention_mask[2:]})
+    assert torch.equal(ho.attentions, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [0, 1, 3])
+def test_similarity_matrices_into_a_kept_buffer_bit_for_bit(dtype, rows):
+    """similarity_matrices(out=): the first rows of a larger kept buffer (a short last
+    batch), with and without a metric and the diagonal: the same numbers bit for bit as
+    fresh matrices, on a permuted (non-contiguous) input as head_outputs gives; a wrong
+    buffer is named."""
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(2, 3, rows, 7, 5, generator=gen, dtype=dtype).permute(2, 0, 1, 3, 4)
+    m = torch.randn(2, 3, 5, 5, generator=gen, dtype=dtype)
+    m = m @ m.transpose(-1, -2)
+    buf = torch.full((rows + 2, 2, 3, 7, 7), float("nan"), dtype=dtype)
+    for kw in ({}, {"metric": m}, {"zero_diagonal": False}):
+        out = buf[:rows]
+        got = similarity_matrices(z, out=out, **kw)
+        assert got is out
+        assert torch.equal(got, similarity_matrices(z, **kw))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        similarity_matrices(z, out=buf[:rows, :1])
+    with pytest.raises(TypeError, match="out: expected"):
+        similarity_matrices(z, out=buf[:rows].to(torch.float16))
+    if rows:
+        with pytest.raises(ValueError, match="out: expected a contiguous"):
+            similarity_matrices(z, out=torch.empty_like(buf[:rows]).transpose(-1, -2))

@@ -632,6 +632,21 @@ def test_window_features_take_one_forward_pass(toy_brown, tok, tiny_model):
     parts = list(se._batches(tiny_model, w, 2))
     for i, got in enumerate((f.heads, f.attention, f.hidden)):
         assert torch.equal(got, torch.cat([p[i] for p in parts]))
+    # and as before the kept similarity buffer and the maps as a view: fresh matrices
+    # and contiguous stacked maps, batch by batch (2, 2, 1: the last in the buffer's
+    # first rows)
+    for start in range(0, 5, 2):
+        part = w[start:start + 2]
+        with torch.no_grad():
+            ho = cs.head_outputs(tiny_model, {"input_ids": part.input_ids,
+                                              "attention_mask": part.attention_mask},
+                                 return_hidden=True)
+        att = torch.stack(ho.attentions.unbind(1), dim=1)[..., 1:-1, 1:-1]
+        att = 0.5 * (att + att.transpose(-1, -2))
+        sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
+        rows = slice(start, start + 2)
+        assert torch.equal(f.heads[rows], sg.standardise(sims).float())
+        assert torch.equal(f.attention[rows], sg.standardise(att).float())
     with pytest.raises(ValueError, match="windows: expected at least one window"):
         se.window_features(tiny_model, w[:0], batch_size=2)
 

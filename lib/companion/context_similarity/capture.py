@@ -261,7 +261,10 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
     Complexity
     ----------
     One forward pass (stopped after the last layer's attention unless
-    ``return_hidden``); the outputs are written in place, no copy.
+    ``return_hidden``); the outputs and maps are written in place, no copy: both are
+    views (``outputs`` of a ``[L, H, B, T, d]`` buffer, ``attentions`` of a
+    ``[L, B, H, T, T]`` one) of buffers fresh to this call, which no later call
+    overwrites (they live as long as the views do).
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
@@ -274,7 +277,9 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
         w = torch.stack([layer.attention.output.dense.weight for layer in layers])  # [L,D,H*d]
         w = w.view(n_layers, w.shape[1], n_heads, d)
         z = torch.einsum("blhtd,lohd->blhto", z, w)
-    return HeadOutputs(z, torch.stack(attentions, dim=1), hidden)
+    # the maps' buffer [L, B, H, T, T] seen as [B, L, H, T, T]: no copy (one window's
+    # [H, T, T] of a layer stays contiguous)
+    return HeadOutputs(z, attentions.permute(1, 0, 2, 3, 4), hidden)
 
 
 # The attention maps come from our own registered attention function: the eager
@@ -433,10 +438,10 @@ def _capture(model, tensors, workspace: Workspace | None = None,
              content: torch.Tensor | None = None, return_hidden: bool = False,
              settings: CaptureSettings = CaptureSettings()):
     """Pre-W_O head outputs [B, L, H, T, d] (every layer's ``hook_z``), the per-layer
-    attention maps (``hook_pattern``, a tuple) and, with ``content`` ([B, T] query
-    weights), the attention each key receives from those queries, [B, L, H, T] (else
-    None); with ``return_hidden``, also the final hidden states [B, T, D] (the pass then
-    runs to the end), else None.
+    attention maps (``hook_pattern``: the ``[L, B, H, T, T]`` buffer itself) and, with
+    ``content`` ([B, T] query weights), the attention each key receives from those
+    queries, [B, L, H, T] (else None); with ``return_hidden``, also the final hidden
+    states [B, T, D] (the pass then runs to the end), else None.
 
     The outputs are a view of a ``[L, H, B, T, d]`` tensor; with a ``workspace``, outputs
     and maps live in buffers kept there and overwritten by the next call.
@@ -467,8 +472,7 @@ def _capture(model, tensors, workspace: Workspace | None = None,
     # stored (layer, head, window, token, dim): the statistics take the sum over windows
     # of every head's similarity matrix, which is then one contiguous block
     received = None if maps.received is None else maps.received.permute(1, 0, 2, 3)
-    return (maps.outputs.permute(2, 0, 1, 3, 4), tuple(maps.buffer.unbind(0)), received,
-            hidden)
+    return maps.outputs.permute(2, 0, 1, 3, 4), maps.buffer, received, hidden
 
 
 class BatchResult(NamedTuple):
@@ -507,8 +511,8 @@ def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None
                          "padding), as companion.corpora.windows makes; add them to a "
                          "tokenizer's output")
     content = tensors["attention_mask"].bool() & (tensors["sentence_ids"] >= 0)
-    z, attentions, received, _ = _capture(model, tensors, workspace, content,
-                                          settings=settings)
+    z, maps, received, _ = _capture(model, tensors, workspace, content, settings=settings)
+    attentions = tuple(maps.unbind(0))
     metric = None
     if where == "post_wo":
         metric = gram if gram is not None else wo_gram(model)

@@ -308,15 +308,26 @@ class Features:
     hidden: torch.Tensor  # [N, n, D] float32, final hidden states
 
 
-def _forward(model, part: Windows):
-    """(content-token similarity view, content-token attention view, hidden) of a batch."""
+def _forward(model, part: Windows, buffers: dict | None = None):
+    """(content-token similarity view, content-token attention view, hidden) of a batch;
+    with ``buffers`` (a dict kept between batches), the similarity matrices are written
+    into a buffer kept there (the views are then valid until the next call)."""
     from companion import context_similarity as cs
 
     dev = next(model.parameters()).device
     batch = {"input_ids": part.input_ids.to(dev), "attention_mask": part.attention_mask.to(dev)}
     with torch.no_grad():
         ho = cs.head_outputs(model, batch, return_hidden=True)
-        sims = cs.similarity_matrices(ho.outputs)[..., 1:-1, 1:-1]
+        out = None
+        if buffers is not None:
+            shape = (*ho.outputs.shape[:-1], ho.outputs.shape[-2])
+            kept = buffers.get("sims")
+            if (kept is None or kept.shape[1:] != shape[1:] or kept.shape[0] < shape[0]
+                    or kept.dtype != ho.outputs.dtype or kept.device != ho.outputs.device):
+                kept = buffers["sims"] = torch.empty(shape, dtype=ho.outputs.dtype,
+                                                     device=ho.outputs.device)
+            out = kept[:shape[0]]  # a shorter last batch: the first rows (contiguous)
+        sims = cs.similarity_matrices(ho.outputs, out=out)[..., 1:-1, 1:-1]
     return sims, ho.attentions[..., 1:-1, 1:-1], ho.hidden[:, 1:-1]
 
 
@@ -349,8 +360,9 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
     # numbers as sg.standardise, without whole-batch temporaries); other dtypes are
     # standardised in their own precision first, then stored as float32.
     out: Features | None = None
+    buffers: dict = {}  # the similarity matrices' buffer, kept between batches
     for start in range(0, len(windows), batch_size):
-        sims, att, hidden = _forward(model, windows[start:start + batch_size])
+        sims, att, hidden = _forward(model, windows[start:start + batch_size], buffers)
         if out is None:
             out = Features(*(torch.empty((len(windows), *x.shape[1:]), dtype=torch.float32,
                                          device=x.device) for x in (sims, att, hidden)))

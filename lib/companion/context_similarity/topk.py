@@ -39,7 +39,8 @@ class TopPairsTuning:
 
 
 def similarity_matrices(
-    outputs: torch.Tensor, zero_diagonal: bool = True, metric: torch.Tensor | None = None
+    outputs: torch.Tensor, zero_diagonal: bool = True, metric: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context similarity matrices: pairwise dot products of every head's output vectors.
 
@@ -52,10 +53,18 @@ def similarity_matrices(
     metric : Tensor [L, H, d, d], optional
         Symmetric positive semi-definite per-head metric ``M``: ``S_ij = z_i^T M z_j``
         (``metric=wo_gram(model)`` turns pre-W_O vectors into post-W_O similarities).
+    out : Tensor [B, L, H, T, T], optional
+        A contiguous tensor of the outputs' dtype and device to write the matrices into
+        (a buffer kept between batches; the same numbers as without it).
 
     Returns
     -------
-    Tensor [B, L, H, T, T]
+    Tensor [B, L, H, T, T] (``out`` where given)
+
+    >>> z = torch.arange(12.0).reshape(1, 1, 1, 3, 4)
+    >>> buf = torch.empty(1, 1, 1, 3, 3)
+    >>> similarity_matrices(z, out=buf) is buf, buf[0, 0, 0, 0].tolist()
+    (True, [0.0, 38.0, 62.0])
 
     Complexity
     ----------
@@ -76,7 +85,19 @@ def similarity_matrices(
             got = tuple(metric.shape) if isinstance(metric, torch.Tensor) else type(metric).__name__
             raise ValueError(f"metric: expected shape {want} [L, H, d, d], got {got}")
         left = torch.matmul(outputs, metric.to(outputs.dtype))
-    sims = torch.matmul(left, outputs.transpose(-1, -2))
+    if out is None:
+        sims = torch.matmul(left, outputs.transpose(-1, -2))
+    else:
+        want = (*outputs.shape[:-1], outputs.shape[-2])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out: expected shape {want} [B, L, H, T, T], got {got}")
+        if out.dtype != outputs.dtype or out.device != outputs.device:
+            raise TypeError(f"out: expected {outputs.dtype} on {outputs.device}, got "
+                            f"{out.dtype} on {out.device}")
+        if not out.is_contiguous():
+            raise ValueError("out: expected a contiguous tensor")
+        sims = torch.matmul(left, outputs.transpose(-1, -2), out=out)
     if zero_diagonal:
         sims.diagonal(dim1=-2, dim2=-1).zero_()
     return sims
