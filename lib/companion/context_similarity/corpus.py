@@ -1,6 +1,7 @@
-"""The corpus pass: :func:`analyse_corpus` over windows, batch by batch (two at once on
-a CPU: lanes, see :class:`CaptureSettings`), in one process,
-sharded over ``torch.distributed`` ranks, or started under ``torchrun`` from here
+"""The corpus pass: :func:`analyse_corpus` over windows, batch by batch (on a CPU with
+2 to ``lanes`` intra-op threads, one batch per thread: lanes, see
+:class:`CaptureSettings`), in one process, sharded over ``torch.distributed`` ranks,
+or started under ``torchrun`` from here
 (``nproc``); and the ``torchrun -m companion.context_similarity`` command line.
 """
 from __future__ import annotations
@@ -119,9 +120,9 @@ def analyse_corpus(
         parts in window order. Default: the book's ``--nproc`` (``COMPANION_NPROC``, 1).
         Ignored inside an initialised process group (the ranks are already there).
     settings : :class:`CaptureSettings` of the pass (speed only: the default stops the
-        forward after the last layer's attention and, on a CPU with two intra-op threads
-        (2 to ``lanes``), keeps that many batches in flight, one intra-op thread each,
-        their parts added in batch order; the statistics are the same either way, bit
+        forward after the last layer's attention and, on a CPU with 2 to ``lanes``
+        intra-op threads (default 2), keeps one batch in flight per thread, one intra-op
+        thread each, their parts added in batch order; the statistics are the same either way, bit
         for bit).
     into : statistics to add these windows to, in batch order (one per ``where`` entry,
         None: fresh ones), instead of new ones; their own ``per_window`` and tracked tokens
