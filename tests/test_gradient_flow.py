@@ -686,41 +686,134 @@ def test_simulate_many_on_two_processes_equals_one_simulate_per_run():
         assert torch.equal(ga.get_state(), gb.get_state())
 
 
+def _alive(pid):
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _small_run(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return dict(tokens=gf.octahedral_tokens(7, paths=2, generator=g),
+                weights=gf.initial_weights(2, 3, g, paths=2), process=gf.Frozen(),
+                T=0.02, dt=0.01)
+
+
+def _assert_same_trajectory(a, b):
+    for key in TRAJECTORY_FIELDS:
+        x, y = getattr(a, key), getattr(b, key)
+        assert (x is None and y is None) or torch.equal(x, y), key
+
+
 def test_simulate_many_keeps_its_workers_and_replaces_a_stopped_pool():
     """The worker processes outlive a call (a chapter calls simulate_many several times;
     starting them costs seconds), ignore an interrupt sent to their process group, and a
     pool that was stopped (as after an error or an interrupt) is replaced by a fresh one
-    with the same results."""
+    with the same results; one pool at a time (another number of workers stops it)."""
     import os
     import signal
 
-    from companion.gradient_flow import simulation
-
-    g = torch.Generator().manual_seed(3)
-    run = dict(tokens=gf.octahedral_tokens(7, paths=2, generator=g),
-               weights=gf.initial_weights(2, 3, g, paths=2), process=gf.Frozen(),
-               T=0.02, dt=0.01)
+    run = _small_run()
     first = gf.simulate_many([run], workers=2)[0]
-    pool = simulation._PROCESS_POOLS[2]
-    pids = {p.pid for p in pool._processes.values()}
-    pid = pool.submit(os.getpid).result()  # a worker past its initialiser
-    assert pid in pids
-    os.kill(pid, signal.SIGINT)  # ignored by the worker
+    pids = gf.worker_pids()
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)  # ignored by the workers
     second = gf.simulate_many([run, run], workers=2)
-    assert simulation._PROCESS_POOLS[2] is pool
-    assert {p.pid for p in pool._processes.values()} == pids
-    processes = list(pool._processes.values())
-    simulation._stop_pool(2)
-    assert not any(process.is_alive() for process in processes)
+    assert gf.worker_pids() == pids
+    gf.stop_workers()
+    assert gf.worker_pids() == [] and not any(_alive(pid) for pid in pids)
+    gf.stop_workers()  # nothing running: nothing to do
     assert gf.start_workers(2) == 2  # a fresh pool, started ahead of the call
-    started = simulation._PROCESS_POOLS[2]
-    assert started is not pool and len(started._processes) == 2
+    started = gf.worker_pids()
+    assert len(started) == 2 and not set(started) & set(pids)
     third = gf.simulate_many([run], workers=2)[0]
-    assert simulation._PROCESS_POOLS[2] is started
-    for key in TRAJECTORY_FIELDS:
-        for other in (second[0], second[1], third):
-            a, b = getattr(first, key), getattr(other, key)
-            assert (a is None and b is None) or torch.equal(a, b), key
+    assert gf.worker_pids() == started
+    gf.start_workers(3)  # the pool of 2 is stopped
+    assert len(gf.worker_pids()) == 3 and not any(_alive(pid) for pid in started)
+    fourth = gf.simulate_many([run], workers=3)[0]  # more workers than paths
+    gf.stop_workers()
+    for other in (second[0], second[1], third, fourth):
+        _assert_same_trajectory(first, other)
+
+
+def test_workers_survive_an_interrupt_while_they_start():
+    """SIGINT sent to workers still importing torch (the set-up cell interrupted) is held
+    until their initialiser ignores it: the same processes then simulate."""
+    import os
+    import signal
+
+    run = _small_run()
+    gf.stop_workers()
+    gf.start_workers(2)
+    pids = gf.worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    result = gf.simulate_many([run], workers=2)[0]
+    assert gf.worker_pids() == pids
+    gf.stop_workers()
+    _assert_same_trajectory(gf.simulate(**run), result)
+
+
+def test_simulate_many_replaces_a_broken_pool():
+    """A worker killed (the pool broken, noticed when submitting or while waiting for a
+    result): simulate_many runs the pieces again on a fresh pool, with the same results."""
+    import os
+    import signal
+
+    run = _small_run()
+    gf.simulate_many([run], workers=2)
+    pids = gf.worker_pids()
+    os.kill(pids[0], signal.SIGKILL)
+    result = gf.simulate_many([run], workers=2)[0]
+    assert len(gf.worker_pids()) == 2 and not set(gf.worker_pids()) & set(pids)
+    _assert_same_trajectory(gf.simulate(**run), result)
+    os.kill(gf.worker_pids()[0], signal.SIGKILL)
+    gf.start_workers(2)  # a broken pool is replaced here too (or by the call after)
+    _assert_same_trajectory(result, gf.simulate_many([run], workers=2)[0])
+    gf.stop_workers()
+
+
+def test_simulate_many_interrupted_returns_with_its_workers_stopped(monkeypatch):
+    """An interrupt while waiting for the pieces (a long run on both workers): the call
+    raises it promptly (the running pieces end at their next step; no worker is killed
+    while it sends), the workers are gone, and the next call works."""
+    import threading
+    from concurrent.futures import Future
+
+    run = _small_run()
+    gf.simulate_many([run], workers=2)  # the workers ready
+    pids = gf.worker_pids()
+    slow = {**run, "T": 1e4, "dt": 1e-3, "record_every": 10**7, "record_positions": False}
+    real_result = Future.result
+    waits = []
+
+    def interrupted_result(self, timeout=None):
+        waits.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Future, "result", interrupted_result)
+    outcome = []
+
+    def call():
+        try:
+            gf.simulate_many([slow], workers=2)
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(120)  # a safety limit: the 10^7-step pieces would take far longer
+    monkeypatch.setattr(Future, "result", real_result)
+    assert not caller.is_alive(), "simulate_many did not return after the interrupt"
+    assert outcome == ["interrupted"] and waits
+    assert gf.worker_pids() == [] and not any(_alive(pid) for pid in pids)
+    _assert_same_trajectory(gf.simulate(**run), gf.simulate_many([run], workers=2)[0])
+    gf.stop_workers()
 
 
 TRAJECTORY_FIELDS = ("times", "positions", "weights", "energy", "energy_rate", "slope_sq",

@@ -49,8 +49,10 @@ tests' reference), :mod:`~companion.gradient_flow.kernels` the fast batched step
 (:func:`step_quantities`, tuned by a :class:`KernelTuning` argument),
 :mod:`~companion.gradient_flow.simulation` the initial conditions, weight processes,
 :func:`simulate` and :func:`simulate_many` (independent runs on worker processes, the same
-trajectories bit for bit), and :mod:`~companion.gradient_flow.analysis` the fits, bootstrap
-intervals, distances and stability constants the chapter reads trajectories with.
+trajectories bit for bit; :func:`start_workers`, :func:`stop_workers` and
+:func:`worker_pids` for its kept worker processes), and
+:mod:`~companion.gradient_flow.analysis` the fits, bootstrap intervals, distances and
+stability constants the chapter reads trajectories with.
 """
 from companion.gradient_flow.analysis import (PowerLawFit, bootstrap_mean_band,
                                               bootstrap_over_paths, fit_power_law,
@@ -63,7 +65,7 @@ from companion.gradient_flow.simulation import (Frozen, OrnsteinUhlenbeck, Oscil
                                                 Trajectory, initial_weights,
                                                 octahedral_tokens, oscillating_target,
                                                 simulate, simulate_many, start_workers,
-                                                uniform_sphere)
+                                                stop_workers, uniform_sphere, worker_pids)
 
 __all__ = [
     "Frozen",
@@ -89,8 +91,10 @@ __all__ = [
     "spectral_norms",
     "start_workers",
     "step_quantities",
+    "stop_workers",
     "uniform_sphere",
     "velocity",
     "w2_sphere",
     "weight_sensitivity",
+    "worker_pids",
 ]

@@ -9,9 +9,12 @@ of :mod:`companion.gradient_flow.kernels`); the weights follow an SDE
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import math
 import signal
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -315,13 +318,15 @@ def simulate(
 
 def _integrate(tokens, weights, process, *, T, dt, record_every, sign, generator,
                record_positions, record_weights, progress, tuning,
-               noise_rows: tuple[int, int, int] | None = None) -> Trajectory:
+               noise_rows: tuple[int, int, int] | None = None, stop=None) -> Trajectory:
     """:func:`simulate` on checked arguments.
 
     ``noise_rows = (start, stop, total)``: these tokens and weights are the paths
     ``start:stop`` of a run of ``total`` paths; each step draws the noise of all ``total``
     paths (the same draws as the whole run) and uses its rows ``start:stop``, so that the
     paths come out as they do in the whole run (:func:`simulate_many`).
+    ``stop``: None, or an event (``is_set()``) checked at every step; once set, the run
+    raises :class:`_Stopped` (a worker of :func:`simulate_many` told to stop).
     """
     steps = max(1, round(T / dt))
     sigma = float(process.sigma)
@@ -347,6 +352,8 @@ def _integrate(tokens, weights, process, *, T, dt, record_every, sign, generator
         iterator = tqdm(iterator, desc=f"simulate H={H}", leave=False)
     with _path_workers(x.device) as workers:
         for k in iterator:
+            if stop is not None and stop.is_set():
+                raise _Stopped(f"stopped at step {k} of {steps}")
             t = k * dt
             last = k == steps
             drift = process.drift(D, t)
@@ -452,19 +459,31 @@ def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
         P, n, _ = run["tokens"].shape
         H = run["weights"].shape[1]
         steps = max(1, round(run["T"] / run["dt"]))
-        bounds = [round(k * P / workers) for k in range(min(workers, P) + 1)]
+        cuts = max(1, min(workers, P))  # more workers than paths: a piece per path
+        bounds = [round(k * P / cuts) for k in range(cuts + 1)]
         for a, b in zip(bounds, bounds[1:]):
             pieces.append(((b - a) * H * n * n * steps, r, a, b))
     pieces.sort(key=lambda piece: -piece[0])
-    futures = _submit_pieces(workers, [(checked[r], a, b) for _, r, a, b in pieces])
-    try:
-        done = {(r, a): future.result()
-                for (_, r, a, _), future in zip(pieces, futures)}
-    except BaseException:  # an error or an interrupt: no piece is left running
-        _stop_pool(workers)
-        raise
+    from concurrent.futures.process import BrokenProcessPool
+
+    for attempt in (0, 1):  # a pool broken by a dead worker: once more on a fresh one
+        try:
+            pool = _healthy_pool(workers)
+            with _interrupts_held():  # processes spawned here start with SIGINT blocked
+                futures = [pool.executor.submit(_simulate_piece, checked[r], a, b)
+                           for _, r, a, b in pieces]
+            results = [future.result() for future in futures]
+            break
+        except BrokenProcessPool:  # the pieces are deterministic: the same results
+            stop_workers()
+            if attempt:
+                raise
+        except BaseException:  # an error or an interrupt: no piece is left running
+            stop_workers()
+            raise
+    done = {(r, a): result for (_, r, a, _), result in zip(pieces, results)}
     out = []
-    for r, run in enumerate(checked):
+    for r in range(len(checked)):
         parts = sorted((a, part) for (rr, a), part in done.items() if rr == r)
         trajectories = [part[0] for _, part in parts]
         generator = runs[r].get("generator")
@@ -474,60 +493,113 @@ def simulate_many(runs, *, workers: int | None = None) -> list[Trajectory]:
     return out
 
 
-_PROCESS_POOLS = {}  # number of workers -> the worker processes of simulate_many
+class _Stopped(RuntimeError):
+    """A piece of :func:`simulate_many` ended early: its pool is being stopped."""
 
 
-def _initialize_worker():
+@dataclass
+class _WorkerPool:
+    """The kept worker processes of :func:`simulate_many` and the event that tells their
+    running pieces to end (checked every step, so that no worker is killed, least of all
+    while it sends a result)."""
+
+    workers: int
+    executor: object
+    stop: object
+
+
+_KEPT_POOLS: list[_WorkerPool] = []  # at most one: simulate_many's worker processes
+_worker_stop = None  # in a worker process: its pool's stop event
+
+
+def _initialize_worker(stop):
     """A worker of :func:`simulate_many`: one torch thread, and interrupts left to the
     caller (a notebook's kernel is interrupted with its whole process group; the caller
-    then stops the workers itself)."""
+    then stops the workers itself). It was spawned with SIGINT blocked, so an interrupt
+    while it started is dropped here."""
+    global _worker_stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _worker_stop = stop
     torch.set_num_threads(1)
 
 
-def _stop_pool(workers: int) -> None:
-    """Drop the pool of ``workers`` processes: its queued pieces cancelled, its processes
-    ended."""
-    pool = _PROCESS_POOLS.pop(workers, None)
-    if pool is None:
+@contextlib.contextmanager
+def _interrupts_held():
+    """SIGINT blocked in this thread while inside (processes it spawns inherit the mask,
+    so an interrupt while they import torch cannot kill them); an interrupt that arrived
+    meanwhile is raised on leaving."""
+    if (not hasattr(signal, "pthread_sigmask")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
         return
-    for process in list(getattr(pool, "_processes", {}).values()):
-        process.terminate()
-    pool.shutdown(wait=True, cancel_futures=True)  # its manager thread reaps them
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def _pool(workers: int):
-    """The kept worker processes of :func:`simulate_many` (spawned, one torch thread each),
-    made on first use."""
+def _is_broken(executor) -> bool:
+    """Whether a ProcessPoolExecutor can take no more work (a worker died, or shut down)."""
+    return bool(getattr(executor, "_broken", False)
+                or getattr(executor, "_shutdown_thread", False))
+
+
+def _healthy_pool(workers: int) -> _WorkerPool:
+    """The kept pool of ``workers`` processes (spawned, one torch thread each), made now if
+    there is none, if it has another number of workers (that one is stopped) or if it is
+    broken (a worker died, e.g. interrupted while it started)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    pool = _PROCESS_POOLS.get(workers)
-    if pool is None:
-        pool = _PROCESS_POOLS[workers] = ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_initialize_worker)
-    return pool
+    if _KEPT_POOLS and (_KEPT_POOLS[0].workers != workers
+                        or _is_broken(_KEPT_POOLS[0].executor)):
+        stop_workers()
+    if not _KEPT_POOLS:
+        context = multiprocessing.get_context("spawn")
+        stop = context.Event()
+        executor = ProcessPoolExecutor(max_workers=workers, mp_context=context,
+                                       initializer=_initialize_worker, initargs=(stop,))
+        _KEPT_POOLS.append(_WorkerPool(workers, executor, stop))
+    return _KEPT_POOLS[0]
 
 
-def _submit_pieces(workers: int, pieces: list) -> list:
-    """Submit ``_simulate_piece(*piece)`` for every piece to ``workers`` processes.
+def stop_workers() -> None:
+    """Stop the worker processes of :func:`simulate_many` (a later call starts new ones).
 
-    The processes are started on first use and kept for later calls: each costs an
-    interpreter start and ``import torch``, seconds on a loaded machine, and a chapter
-    calls :func:`simulate_many` several times. A pool broken by a dead worker is replaced.
+    Running pieces end at their next step and queued ones are cancelled; this returns once
+    the processes have exited (a worker still starting finishes its start first). Called
+    at interpreter exit; nothing happens when no workers are running.
+
+    >>> stop_workers()
+    >>> worker_pids()
+    []
     """
-    from concurrent.futures.process import BrokenProcessPool
+    if not _KEPT_POOLS:
+        return
+    pool = _KEPT_POOLS.pop()
+    pool.stop.set()
+    pool.executor.shutdown(wait=True, cancel_futures=True)
 
-    for attempt in (0, 1):
-        pool = _pool(workers)
-        try:
-            return [pool.submit(_simulate_piece, *piece) for piece in pieces]
-        except BrokenProcessPool:
-            del _PROCESS_POOLS[workers]
-            if attempt:
-                raise
-    raise AssertionError("unreachable")
+
+atexit.register(stop_workers)
+
+
+def worker_pids() -> list[int]:
+    """The process ids of :func:`simulate_many`'s kept worker processes, sorted (empty when
+    none are running).
+
+    >>> start_workers(1)
+    1
+    >>> worker_pids()
+    []
+    """
+    if not _KEPT_POOLS:
+        return []
+    processes = getattr(_KEPT_POOLS[0].executor, "_processes", None) or {}
+    return sorted(process.pid for process in list(processes.values()))
 
 
 def start_workers(workers: int | None = None) -> int:
@@ -535,7 +607,8 @@ def start_workers(workers: int | None = None) -> int:
 
     They start in the background (an interpreter and ``import torch`` each, seconds), so
     that a later :func:`simulate_many` with as many workers finds them ready; a chapter
-    calls this in its set-up. With 1 worker nothing is started.
+    calls this in its set-up. An interrupt meanwhile does not kill them. Workers kept for
+    another number are stopped (one pool at a time); with 1 worker nothing is started.
 
     Parameters
     ----------
@@ -550,9 +623,19 @@ def start_workers(workers: int | None = None) -> int:
     """
     workers = torch.get_num_threads() if workers is None else check_int("workers", workers, 1)
     if workers > 1:
-        pool = _pool(workers)
-        for _ in range(workers):  # one task each: the pool spawns a process per task
-            pool.submit(int)
+        from concurrent.futures.process import BrokenProcessPool
+
+        for attempt in (0, 1):
+            try:
+                pool = _healthy_pool(workers)
+                with _interrupts_held():  # one task each: a process spawned per task
+                    for _ in range(workers):
+                        pool.executor.submit(int)
+                break
+            except BrokenProcessPool:
+                stop_workers()
+                if attempt:
+                    raise
     return workers
 
 
@@ -588,7 +671,7 @@ def _simulate_piece(run, start, stop):
                       generator=generator, record_positions=run["record_positions"],
                       record_weights=run["record_weights"], progress=False,
                       tuning=dataclasses.replace(run["tuning"], plan_paths=total),
-                      noise_rows=(start, stop, total))
+                      noise_rows=(start, stop, total), stop=_worker_stop)
     return traj, (None if generator is None else generator.get_state())
 
 
