@@ -144,9 +144,9 @@ def keep_freed_memory(*, mmap_threshold: int = 32 << 20, trim_threshold: int = 2
     that later measures memory (:func:`peak_memory`). Returns False where glibc's
     ``mallopt`` is not available (nothing is changed). ``mmap_threshold`` is at most
     glibc's ``DEFAULT_MMAP_THRESHOLD_MAX``, ``4 MiB * sizeof(long)`` (32 MiB on 64-bit):
-    mallopt(3) documents it as the upper limit and glibc before 2.35 refuses more
-    (2.36 accepts it), checked here before anything is set, so that neither threshold
-    changes on a refusal.
+    mallopt(3) documents it as the upper limit (the glibc 2.36 of our CI machine
+    accepts more; other versions may refuse it), so it is checked here before anything
+    is set and neither threshold changes on a refusal.
 
     >>> keep_freed_memory(mmap_threshold=-1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
