@@ -759,20 +759,30 @@ def test_workers_survive_an_interrupt_while_they_start():
     _assert_same_trajectory(gf.simulate(**run), result)
 
 
+def _kill_and_wait(pid):
+    """SIGKILL one kept worker and wait until it has exited (its sentinel is ready), an
+    event: a killed process still runs for a moment, more so on a busy machine."""
+    import os
+    import signal
+    from multiprocessing.connection import wait
+
+    process = gf.simulation._KEPT_POOLS[0].executor._processes[pid]
+    os.kill(pid, signal.SIGKILL)
+    assert wait([process.sentinel], timeout=300), f"worker {pid} still alive after SIGKILL"
+
+
 def test_simulate_many_replaces_a_broken_pool():
     """A worker killed (the pool broken, noticed when submitting or while waiting for a
     result): simulate_many runs the pieces again on a fresh pool, with the same results."""
-    import os
-    import signal
 
     run = _small_run()
     gf.simulate_many([run], workers=2)
     pids = gf.worker_pids()
-    os.kill(pids[0], signal.SIGKILL)
+    _kill_and_wait(pids[0])
     result = gf.simulate_many([run], workers=2)[0]
     assert len(gf.worker_pids()) == 2 and not set(gf.worker_pids()) & set(pids)
     _assert_same_trajectory(gf.simulate(**run), result)
-    os.kill(gf.worker_pids()[0], signal.SIGKILL)
+    _kill_and_wait(gf.worker_pids()[0])
     gf.start_workers(2)  # a broken pool is replaced here too (or by the call after)
     _assert_same_trajectory(result, gf.simulate_many([run], workers=2)[0])
     gf.stop_workers()

@@ -542,9 +542,14 @@ def _interrupts_held():
 
 
 def _is_broken(executor) -> bool:
-    """Whether a ProcessPoolExecutor can take no more work (a worker died, or shut down)."""
-    return bool(getattr(executor, "_broken", False)
-                or getattr(executor, "_shutdown_thread", False))
+    """Whether a ProcessPoolExecutor can take no more work: shut down, marked broken, or
+    one of its processes has exited. The executor marks itself broken only once its
+    manager thread has noticed the death, which on a busy machine can be after the next
+    call has handed its pieces to the surviving workers, so the processes are asked too."""
+    if getattr(executor, "_broken", False) or getattr(executor, "_shutdown_thread", False):
+        return True
+    processes = getattr(executor, "_processes", None) or {}
+    return any(not process.is_alive() for process in list(processes.values()))
 
 
 def _healthy_pool(workers: int) -> _WorkerPool:
