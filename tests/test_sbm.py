@@ -884,9 +884,10 @@ def test_pair_counts_as_floats_equal_the_int64_counts(dtype, cpu_poisson):
                          [("keep", False, False), ("merge", False, True), ("keep", True, True)])
 def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplicates,
                                                                   self_loops, padded):
-    """The pair-grid forward with the counts drawn as float weights and the absent-pair
-    bias from masked_fill gives the outputs, densities and every gradient of the former
-    path (int64 counts converted, bias ``(min(w, 1) - 1) 1e30``) bit for bit."""
+    """The pair-grid forward with the counts drawn as float weights gives the outputs,
+    densities and every gradient of the former path (int64 counts converted) bit for
+    bit; its absent-pair bias ``(min(w, 1) - 1) 1e30`` equals the masked_fill bias of
+    042a95f..3483a16 (``-1e30`` where ``w = 0``, ``+0`` elsewhere)."""
     from companion.sbm.fastrg import use_pair_grid as pair_grid
     from companion.sbm.layer import _CountAttention, _DenseStraightThrough
 
@@ -920,6 +921,10 @@ def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplica
         groups = batch * heads
         weights = counts.reshape(groups, n, n).to(dtype)
         absent_bias = weights.clamp(max=1.0).sub_(1.0).mul_(1e30)
+        # the bias of 042a95f..3483a16: the same numbers, signs of zero included
+        filled = torch.zeros_like(weights).masked_fill_(weights == 0, -1e30)
+        assert torch.equal(absent_bias, filled)
+        assert torch.equal(absent_bias.signbit(), filled.signbit())
         weights = _DenseStraightThrough.apply(qs.reshape(groups, n, -1),
                                               km.reshape(groups, n, -1), weights)
         out = _CountAttention.apply(q.reshape(groups, n, d), k.reshape(groups, n, d),
