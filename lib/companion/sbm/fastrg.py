@@ -634,15 +634,17 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     dtype('int64')
     """
     u = rng.random(rates.size)
-    # not "max <= limit": also true where a rate is NaN, as the element-wise test below
-    has_large = bool(rates.size) and not rates.max() <= _INVERSION_MAX_RATE
-    large = rates > _INVERSION_MAX_RATE if has_large else None
     candidate = u >= 1.0 - rates  # u < 1 - r <= e^{-r}: count 0
-    if has_large:
-        candidate &= ~large
     live = np.flatnonzero(candidate)
     del candidate
     r = rates.take(live)
+    # every rate above the limit is a candidate (1 - r < 0 <= u), so the candidates'
+    # maximum decides whether there is one (a quarter of the rates at r = 0.25, not all)
+    has_large = bool(r.size) and not r.max() <= _INVERSION_MAX_RATE
+    large = rates > _INVERSION_MAX_RATE if has_large else None
+    if has_large:
+        small = np.flatnonzero(~large.take(live))
+        live, r = live.take(small), r.take(small)
     term = np.exp(-r)
     rest = u.take(live)
     rest -= term  # u - F(0)

@@ -325,6 +325,9 @@ class SBMAttention(nn.Module):
             raise ValueError(
                 f"q: expected [B, {self.num_heads}, n, {self.head_dim}], got {tuple(q.shape)}"
             )
+        # one contiguous copy each (views of a fused projection otherwise copied twice:
+        # by the MLP's GEMM and by the attention's [G, n, d] reshape)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         q_membership, s, k_membership = sbm_parameters(q, k, self.cluster_embeddings, self.mlp)
         valid_counts = []
         for name, mask, length in (
