@@ -947,3 +947,27 @@ def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplica
     assert torch.equal(out0, out1) and torch.equal(dens0, dens1)
     for g0, g1 in zip(grads0, grads1):
         assert torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_sbm_parameters_on_projection_views_equal_contiguous_copies(dtype):
+    """SBMAttention copies q and k to contiguous before the MLP (3483a16 ran the MLP on
+    the fused projection's strided views): memberships, block matrix and every gradient
+    are bit for bit those of the views (odd sizes)."""
+    torch.manual_seed(1)
+    batch, heads, n, d, clusters = 3, 2, 13, 5, 7
+    layer = SBMAttention(d, heads, clusters, dtype=dtype)
+    x = torch.randn(batch, n, 3 * heads * d, dtype=dtype, requires_grad=True)
+    results = []
+    for copy in (False, True):
+        q, k, _ = x.reshape(batch, n, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        assert not q.is_contiguous()
+        if copy:
+            q, k = q.contiguous(), k.contiguous()
+        qm, s, km = sbm_parameters(q, k, layer.cluster_embeddings, layer.mlp)
+        loss = (qm * torch.linspace(-1, 1, clusters, dtype=dtype)).sum() + km.square().sum() \
+            + (s * s).sum()
+        grads = torch.autograd.grad(loss, [x, *layer.parameters()])
+        results.append((qm, s, km, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
