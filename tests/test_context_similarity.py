@@ -1023,12 +1023,17 @@ def test_lanes_restore_the_thread_count_after_every_lane_stopped():
 
     before = torch.get_num_threads()
     release = threading.Event()
+    released = []  # lane 2's wait: True once released (a lane's own error is not raised)
 
     def compute(job, lane):
         if lane == 1:
-            raise KeyboardInterrupt  # an interrupt, not an Exception
+            # an interrupt, not an Exception; lane 2 may go now (it then stops at its turn:
+            # job 1 is never added), else it waited out its timeout whenever this came
+            # before lane 0's first turn, so that add never ran
+            release.set()
+            raise KeyboardInterrupt
         if lane == 2:
-            assert release.wait(timeout=30), "lane 2 never released"
+            released.append(release.wait(timeout=30))
         return job
 
     torch.set_num_threads(3)
@@ -1039,6 +1044,7 @@ def test_lanes_restore_the_thread_count_after_every_lane_stopped():
         with pytest.raises(KeyboardInterrupt):
             corpus._in_lanes(3, 3, 9, compute, add)
         assert torch.get_num_threads() == 3
+        assert released == [True], "lane 2 ran its first job once, released, not timed out"
     finally:
         torch.set_num_threads(before)
 
