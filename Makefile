@@ -104,7 +104,9 @@ test: setup
 
 bench: setup
 	@mkdir -p benchmarks/results
-	@set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f $(BENCH_ARGS); done
+	@set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; start=$$(date +%s); \
+	  $(PY) $$f $(BENCH_ARGS); \
+	  echo "== $$f: $$(( $$(date +%s) - start )) s, load average $$(cut -d' ' -f1-3 /proc/loadavg)"; done
 	$(PY) benchmarks/summary.py
 
 clean:

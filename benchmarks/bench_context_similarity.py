@@ -134,6 +134,8 @@ def chapter_pass_main(args, model, tokenizer) -> int:
         "batch_size": args.batch_size, "repeats": repeats,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
         "seconds": times, "best_seconds": best, "cpu_seconds": cpu_times,
         "best_cpu_seconds": best_cpu,
         "seconds_per_window": {name: t / len(wins) for name, t in best.items()},
@@ -213,6 +215,8 @@ def segmentation_main(args, model, tokenizer) -> int:
         "windows": len(wins), "window_tokens": wins.length, "batch_size": args.batch_size,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
         "seconds_wall_cpu": phases, "seconds_per_window_wall": per_window,
         "paper_windows_per_condition": paper_seg,
         "seconds_per_window_cpu": per_window_cpu,
@@ -332,6 +336,8 @@ def main(argv=None) -> int:
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
         "seconds": times,
         "best_seconds": best,
         "cpu_seconds": cpu_times,
@@ -358,7 +364,8 @@ def main(argv=None) -> int:
         "`bare_eager`: transformers' eager attention. The analysis stops its forward "
         "pass after the last layer's attention (the rest feeds no statistic); the bare "
         "runs do the whole forward. Load average (1 min) "
-        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after.",
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after. Machine: "
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
         "",
         "| run | best s (wall) | windows/s | ratio to fastest bare | best s (CPU) | "
         "ratio (CPU) |",

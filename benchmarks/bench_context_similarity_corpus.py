@@ -16,12 +16,15 @@ percentile 1, batch 16), wall clock and process CPU time, the load average befor
 after, and whether every sum and per-window part is identical to ``serial``'s.
 Writes ``benchmarks/results/context_similarity_corpus.json`` and ``.md``.
 
-    .venv/bin/python benchmarks/bench_context_similarity_corpus.py [--windows 192]
+    .venv/bin/python benchmarks/bench_context_similarity_corpus.py [--quick] [--windows 192]
+
+``--quick`` (``make bench BENCH_ARGS=--quick``): 64 windows, 2 repeats.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import time
 
 import torch
@@ -54,10 +57,13 @@ def same(a, b) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--windows", type=int, default=192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="64 windows, 2 repeats")
+    parser.add_argument("--windows", type=int, default=None, help="default 192 (64 quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (2 quick)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    args.windows = args.windows or (64 if args.quick else 192)
+    args.repeats = args.repeats or (2 if args.quick else 3)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_encoder(device="cpu")
     wins = windows(load_corpus("brown"), tokenizer, 128, max_windows=args.windows, seed=0)
@@ -86,7 +92,10 @@ def main(argv=None) -> int:
     ratio = {f"{old}/{new}": ratios(old, new)
              for old, new in (("side_by_side", "lanes"), ("serial", "lanes"),
                               ("serial", "side_by_side"))}
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"load average {load_before:.2f} before, {load_after:.2f} after")
     result = dict(windows=n, threads=args.threads, repeats=args.repeats, identical=identical,
+                  machine=machine, cores=os.cpu_count(), torch=torch.__version__,
                   load_before=load_before, load_after=load_after, wall=wall, cpu=cpu,
                   ratio_best=({k: v[0] for k, v in ratio.items()}),
                   ratio_median=({k: v[1] for k, v in ratio.items()}))
@@ -97,6 +106,8 @@ def main(argv=None) -> int:
         f"best of {args.repeats}, interleaved. Load average (1 min) {load_before:.2f} before, "
         f"{load_after:.2f} after. Sums and per-window parts identical to serial's: "
         + ", ".join(f"{k} {v}" for k, v in identical.items()) + ".",
+        "",
+        f"Machine: {machine}.",
         "",
         "| run | best s (wall) | ms/window | best s (CPU) |",
         "|---|---|---|---|",
