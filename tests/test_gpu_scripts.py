@@ -1,12 +1,14 @@
 """The prepared GPU scripts run end to end on a CPU at a tiny size and write what they say.
 
 ``benchmarks/gpu_paper_sbm.py --tiny``, ``benchmarks/gpu_check_sbm.py --device cpu
---tiny`` and ``benchmarks/gpu_check_hasse.py --device cpu --quick`` in subprocesses (as
-the device tool runs them), their JSON checked against independent references where
-there is one (the ListOps majority class recomputed from the generator, accuracies as
-multiples of 1 / test size, the expected edge count of fastRG at 5 %). Their refusals
-(bad arguments, no CUDA) are their ``main`` called in this process: the same exit status
-and message, without an interpreter importing torch for each.
+--tiny`` and ``benchmarks/gpu_check_hasse.py --device cpu --quick`` run as scripts
+(``__main__``, their arguments in ``sys.argv``, ``OUT`` set, one intra-op thread), one
+after the other in one subprocess (one interpreter importing torch, not three: see
+:func:`ran_scripts`), their JSON checked against independent references where there is
+one (the ListOps majority class recomputed from the generator, accuracies as multiples of
+1 / test size, the expected edge count of fastRG at 5 %). Their refusals (bad arguments,
+no CUDA) are their ``main`` called in this process: the same exit status and message,
+without an interpreter importing torch for each.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import doctest
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,10 +30,79 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 
 
-def _run(args, tmp_path, timeout=300, **env):
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path / "out"), **env)
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+# Each script as `python benchmarks/NAME.py ARGS` runs it: __main__, sys.argv, the
+# script's folder first on sys.path; its exit status from SystemExit (0 when it returns).
+_RUN_SCRIPTS = r"""
+import json, os, runpy, sys, traceback
+plan = json.loads(sys.argv[1])
+sys.path.insert(0, plan["folder"])
+for name, args, out in plan["scripts"]:
+    os.environ["OUT"] = out
+    script = os.path.join(plan["folder"], name + ".py")
+    sys.argv = [script, *args]
+    for stream in (sys.stdout, sys.stderr):
+        print("\n" + "=" * 8, "start", name, flush=True, file=stream)
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        print("\n" + "=" * 8, "exit", name, code, flush=True, file=stream)
+"""
+
+SCRIPTS = {
+    "gpu_paper_sbm": ["--tiny", "--device", "cpu", "--budget-s", "6",
+                      "--out", "{folder}/result/paper_sbm.json"],
+    "gpu_check_sbm": ["--device", "cpu", "--tiny"],
+    "gpu_check_hasse": ["--device", "cpu", "--quick"],
+}
+
+
+@dataclass
+class ScriptRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    folder: Path  # the script's own: OUT is folder / "out"
+
+
+def _section(text: str, name: str) -> str:
+    """What script ``name`` printed (from its start line to the next script's), or ''."""
+    start = text.find(f"{'=' * 8} start {name}\n")
+    if start < 0:
+        return ""
+    end = text.find(f"{'=' * 8} start ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+@pytest.fixture(scope="module")
+def ran_scripts(tmp_path_factory) -> dict[str, ScriptRun]:
+    """The three scripts, each end to end, one after the other in one fresh interpreter
+    with one intra-op thread (OMP_NUM_THREADS=1), as `python benchmarks/NAME.py ARGS`
+    with ``OUT`` set would run them: the import of torch paid once."""
+    root = tmp_path_factory.mktemp("gpu-scripts")
+    plan = {"folder": str(BENCH), "scripts": []}
+    for name, args in SCRIPTS.items():
+        folder = root / name
+        folder.mkdir()
+        plan["scripts"].append([name, [a.format(folder=folder) for a in args],
+                                str(folder / "out")])
+    proc = subprocess.run([sys.executable, "-c", _RUN_SCRIPTS, json.dumps(plan)], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600, check=False)
+    runs = {}
+    for name in SCRIPTS:
+        out, err = _section(proc.stdout, name), _section(proc.stderr, name)
+        ended = re.search(rf"^={{8}} exit {name} (-?\d+)$", out, re.M)
+        # no exit line: the interpreter died in this script (its own status then)
+        code = int(ended.group(1)) if ended else (proc.returncode or 1)
+        runs[name] = ScriptRun(code, out, err + ("" if ended else proc.stderr[-3000:]),
+                               root / name)
+    return runs
 
 
 def _load(name):
@@ -39,11 +112,10 @@ def _load(name):
     return module
 
 
-def test_gpu_paper_sbm_tiny_end_to_end(tmp_path):
-    out = tmp_path / "result" / "paper_sbm.json"
-    proc = _run([BENCH / "gpu_paper_sbm.py", "--tiny", "--device", "cpu", "--budget-s", "6",
-                 "--out", out], tmp_path)
+def test_gpu_paper_sbm_tiny_end_to_end(ran_scripts, tmp_path):
+    proc = ran_scripts["gpu_paper_sbm"]
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.folder / "result" / "paper_sbm.json"
     result = json.loads(out.read_text())
     assert result["tiny"] is True and result["paper_setting"] is False
     assert result["device_type"] == "cpu"
@@ -156,10 +228,10 @@ def test_plan_steps_fits_the_share():
     assert module.plan_steps(1.0, 5.0, 1.0, 1.0) == 1  # over budget: still one step
 
 
-def test_gpu_check_sbm_cpu_tiny(tmp_path):
-    proc = _run([BENCH / "gpu_check_sbm.py", "--device", "cpu", "--tiny"], tmp_path)
+def test_gpu_check_sbm_cpu_tiny(ran_scripts):
+    proc = ran_scripts["gpu_check_sbm"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((tmp_path / "out" / "gpu_sbm.json").read_text())
+    result = json.loads((proc.folder / "out" / "gpu_sbm.json").read_text())
     assert result["device"] == "cpu" and result["tiny"] is True
     assert result["tests_exit_code"] == 0
     (row,) = result["timing"]
@@ -180,10 +252,10 @@ def test_gpu_check_sbm_without_cuda_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-def test_gpu_check_hasse_cpu_quick(tmp_path):
-    proc = _run([BENCH / "gpu_check_hasse.py", "--device", "cpu", "--quick"], tmp_path)
+def test_gpu_check_hasse_cpu_quick(ran_scripts):
+    proc = ran_scripts["gpu_check_hasse"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "out" / "gpu_check_hasse.json").read_text())
+    result = json.loads((proc.folder / "out" / "gpu_check_hasse.json").read_text())
     assert result["device"] == "cpu" and result["all_ok"] is True
     assert {r["mask"] for r in result["flex"]} >= {"causal", "sliding_window_64"}
     assert all(r["R_equal"] for r in result["reachability"])
