@@ -959,10 +959,10 @@ def test_sbm_parameters_on_projection_views_equal_contiguous_copies(dtype):
     layer = SBMAttention(d, heads, clusters, dtype=dtype)
     x = torch.randn(batch, n, 3 * heads * d, dtype=dtype, requires_grad=True)
     results = []
-    for copy in (False, True):
+    for contiguous in (False, True):
         q, k, _ = x.reshape(batch, n, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
         assert not q.is_contiguous()
-        if copy:
+        if contiguous:
             q, k = q.contiguous(), k.contiguous()
         qm, s, km = sbm_parameters(q, k, layer.cluster_embeddings, layer.mlp)
         loss = (qm * torch.linspace(-1, 1, clusters, dtype=dtype)).sum() + km.square().sum() \
