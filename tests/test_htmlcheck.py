@@ -186,3 +186,11 @@ def test_broken_links_are_relative_links_without_a_file_in_the_build(tmp_path):
     problems = page_problems(html, page, tmp_path)
     assert problems == ["links to files missing from the build: ['assets/missing.pdf', "
                         "'../../_images/gone.png', '../../../outside.html']"]
+
+
+@pytest.mark.parametrize("poll", [0, -0.1, float("nan"), "0.1"])
+def test_check_book_bad_poll_seconds_names_the_parameter(poll, tmp_path):
+    from companion.book.htmlcheck import check_book
+
+    with pytest.raises((ValueError, TypeError), match="poll_seconds"):
+        check_book(None, tmp_path, poll_seconds=poll)
