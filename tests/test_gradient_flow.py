@@ -788,6 +788,29 @@ def test_simulate_many_replaces_a_broken_pool():
     gf.stop_workers()
 
 
+def test_stop_workers_returns_after_a_worker_was_killed():
+    """An idle worker killed and the workers stopped at once, before the pool has noticed
+    (the killed one may have held the call queue's lock, which the other then waits for
+    for ever): stop_workers returns with every worker gone, each of the two killed in
+    turn. (With shutdown(wait=True) alone this hung in about half of the tries.)"""
+    import os
+    import signal
+    import threading
+
+    for victim in (0, 1):
+        gf.start_workers(2)
+        pool = gf.simulation._KEPT_POOLS[0]
+        list(pool.executor.map(int, range(4)))  # the workers started
+        pids = gf.worker_pids()
+        processes = [pool.executor._processes[pid] for pid in pids]
+        os.kill(pids[victim], signal.SIGKILL)
+        stopper = threading.Thread(target=gf.stop_workers, daemon=True)
+        stopper.start()
+        stopper.join(300)  # a safety limit: it returns in seconds, or never
+        assert not stopper.is_alive(), "stop_workers hung after a worker was killed"
+        assert gf.worker_pids() == [] and all(p.exitcode is not None for p in processes)
+
+
 def test_simulate_many_interrupted_returns_with_its_workers_stopped(monkeypatch):
     """An interrupt while waiting for the pieces (a long run on both workers): the call
     raises it promptly (the running pieces end at their next step; no worker is killed

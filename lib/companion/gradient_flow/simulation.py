@@ -586,7 +586,35 @@ def stop_workers() -> None:
         return
     pool = _KEPT_POOLS.pop()
     pool.stop.set()
-    pool.executor.shutdown(wait=True, cancel_futures=True)
+    executor = pool.executor
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    manager = getattr(executor, "_executor_manager_thread", None)
+    results = getattr(executor, "_result_queue", None)
+    # shutdown(wait=True) would wait on the processes with no way out if a survivor waits
+    # for a lock a killed worker held; they are waited for here, then its manager thread
+    executor.shutdown(wait=False, cancel_futures=True)
+    _wait_for_exits(processes)
+    if manager is not None:
+        manager.join()
+    if results is not None:
+        results.close()
+
+
+def _wait_for_exits(processes) -> None:
+    """Return once every worker process has exited. Each is waited for (an event, no time
+    limit) until one has died abnormally (killed: a negative exit code): an idle worker
+    waits for work holding the call queue's lock, and one killed then never releases it,
+    so the others would wait for it for ever; they are terminated then, as their pool is
+    broken and its pieces are run again."""
+    from multiprocessing.connection import wait
+
+    alive = list(processes)
+    while alive:
+        wait([process.sentinel for process in alive])
+        alive = [process for process in alive if process.is_alive()]
+        if any(process.exitcode not in (0, None) for process in processes):
+            for process in alive:
+                process.terminate()
 
 
 atexit.register(stop_workers)
