@@ -113,7 +113,11 @@ def test_downloaded_notebook_runs_in_a_fresh_virtualenv(smoke_book, tmp_path, mo
     assert runner.INSTALL_TAG in first.metadata["tags"] and "remove-cell" in first.metadata["tags"]
     nb.cells.append(nbformat.v4.new_code_cell(
         "import companion; print('FROM', companion.__file__)"))
+    # safety limits only (a loaded machine): a kernel start in a cold virtualenv, and the
+    # wait for a cell's last output after its reply, raised on, never silently dropped
     client = nbclient.NotebookClient(nb, kernel_name="fresh-venv", timeout=600,
+                                     startup_timeout=600, iopub_timeout=300,
+                                     raise_on_iopub_timeout=True,
                                      resources={"metadata": {"path": str(reader)}})
     client.execute()  # raises CellExecutionError if any cell fails
 

@@ -579,27 +579,40 @@ def _set_viewport(driver, width: int, height: int) -> None:
         "requestAnimationFrame(() => requestAnimationFrame(() => done(true)));")
 
 
+PAGE_WAIT_LIMIT_S = 300  # see _load
+
+
 def _load(driver, url: str, poll_seconds: float = 0.05) -> None:
     """Open ``url`` and wait until it is complete: loaded, its maths typeset by MathJax
     (asynchronous, and it changes the layout), its lazy images below the fold loaded.
     Each wait checks its condition every ``poll_seconds``."""
+    from selenium.common.exceptions import TimeoutException, WebDriverException
     from selenium.webdriver.support.ui import WebDriverWait
 
     def wait(seconds):
         return WebDriverWait(driver, seconds, poll_frequency=poll_seconds)
 
+    def until(what, condition):
+        # a safety limit, far above a loaded machine's seconds: past it the page is
+        # reported as not loaded rather than checked half typeset
+        try:
+            wait(PAGE_WAIT_LIMIT_S).until(condition)
+        except TimeoutException:
+            raise RuntimeError(f"{url}: {what} after {PAGE_WAIT_LIMIT_S} s") from None
+        except WebDriverException:  # a failing script: the checks report the page
+            pass
+
     driver.get(url)
-    wait(30).until(lambda d: d.execute_script("return document.readyState") == "complete")
-    with contextlib.suppress(Exception):
-        wait(20).until(lambda d: d.execute_script(
-            "return !window.MathJax || !MathJax.startup || "
-            "!MathJax.startup.promise ? true : "
-            "(window.__mjDone || "
-            "(MathJax.startup.promise.then(() => {window.__mjDone = true}), false))"))
+    until("the page had not loaded",
+          lambda d: d.execute_script("return document.readyState") == "complete")
+    until("MathJax had not typeset the page", lambda d: d.execute_script(
+        "return !window.MathJax || !MathJax.startup || "
+        "!MathJax.startup.promise ? true : "
+        "(window.__mjDone || "
+        "(MathJax.startup.promise.then(() => {window.__mjDone = true}), false))"))
     driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
-    with contextlib.suppress(Exception):
-        wait(10).until(lambda d: d.execute_script(
-            "return Array.from(document.images).every(i => i.complete)"))
+    until("its images had not loaded", lambda d: d.execute_script(
+        "return Array.from(document.images).every(i => i.complete)"))
     driver.execute_script("window.scrollTo(0, 0)")
 
 

@@ -866,7 +866,8 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
                     log_output=False, progress_bar=sys.stderr.isatty(),
                     stdout_file=log, stderr_file=log, cwd=str(cwd),
                     execution_timeout=timeout, kernel_manager_class=tracker.manager_class(),
-                    on_cell_start=on_cell_start,
+                    on_cell_start=on_cell_start, start_timeout=KERNEL_START_LIMIT_S,
+                    iopub_timeout=OUTPUT_WAIT_LIMIT_S, raise_on_iopub_timeout=True,
                 )
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread as it is
             outcome.error = exc
@@ -891,6 +892,14 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
             worker.join(timeout=120)
         raise
     return outcome
+
+
+# Safety limits, not expected times (a loaded machine starts a kernel in seconds): the
+# kernel's start, and the wait for a cell's last output after its reply; nbclient's
+# defaults (60 s, 4 s) would fail a start, or silently drop the end of a cell's output
+# from the page, on a busy machine. Past them the chapter fails; nothing is dropped.
+KERNEL_START_LIMIT_S = 600
+OUTPUT_WAIT_LIMIT_S = 300
 
 
 def _execution_error(outcome: _Execution, parameters_cell: int, timeout: float) -> str | None:
