@@ -47,6 +47,7 @@ Run: ``.venv/bin/python benchmarks/bench_sbm.py [--quick]``; writes
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -461,6 +462,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "torch_threads_per_worker": THREADS,
             "python": platform.python_version(),
+            "torch": importlib.metadata.version("torch"),
             "load_average": os.getloadavg(),
         },
         "memory_method": "separate subprocess per n with MALLOC_MMAP_THRESHOLD_=65536; "
@@ -561,7 +563,8 @@ def _markdown(result) -> str:
         f"Batch 1, {HEADS} heads, head_dim {HEAD_DIM}, k = {CLUSTERS}; forward + backward. "
         f"Machine: {result['machine']['cpus']} CPUs (shared), "
         f"{result['machine']['torch_threads_per_worker']} torch thread per worker, "
-        f"load average at the end {result['machine']['load_average'][0]:.1f}. "
+        f"load average at the end {result['machine']['load_average'][0]:.1f}, "
+        f"torch {result['machine']['torch']}. "
         "Times: median seconds. Memory: peak MiB above the inputs "
         "(separate process, VmHWM reset before the call). Dense paths measured once per n "
         "(their cost does not depend on the density).",
