@@ -771,10 +771,11 @@ def _kill_and_wait(pid):
     assert wait([process.sentinel], timeout=300), f"worker {pid} still alive after SIGKILL"
 
 
-def test_simulate_many_replaces_a_broken_pool():
-    """A worker killed (the pool broken, noticed when submitting or while waiting for a
-    result): simulate_many runs the pieces again on a fresh pool, with the same results."""
-
+def test_simulate_many_replaces_a_broken_pool(monkeypatch):
+    """A worker killed: simulate_many replaces the pool before handing it pieces; and a
+    pool that breaks after that (its workers dead once the pieces are submitted, noticed
+    when submitting or while waiting for a result) has its pieces run again on a fresh
+    pool. The same results each time."""
     run = _small_run()
     gf.simulate_many([run], workers=2)
     pids = gf.worker_pids()
@@ -782,10 +783,40 @@ def test_simulate_many_replaces_a_broken_pool():
     result = gf.simulate_many([run], workers=2)[0]
     assert len(gf.worker_pids()) == 2 and not set(gf.worker_pids()) & set(pids)
     _assert_same_trajectory(gf.simulate(**run), result)
+
+    real_healthy_pool = gf.simulation._healthy_pool
+    handed = []
+
+    def healthy_then_dead(workers):  # the first pool's workers die once it is handed out
+        pool = real_healthy_pool(workers)
+        if not handed:
+            for pid in gf.worker_pids():
+                _kill_and_wait(pid)
+        handed.append(pool)
+        return pool
+
+    monkeypatch.setattr(gf.simulation, "_healthy_pool", healthy_then_dead)
+    again = gf.simulate_many([run], workers=2)[0]
+    monkeypatch.undo()
+    assert len(handed) == 2 and handed[0] is not handed[1]  # the retry, on a fresh pool
+    _assert_same_trajectory(result, again)
     _kill_and_wait(gf.worker_pids()[0])
     gf.start_workers(2)  # a broken pool is replaced here too (or by the call after)
     _assert_same_trajectory(result, gf.simulate_many([run], workers=2)[0])
     gf.stop_workers()
+
+
+def _until_both_workers_answer(pool):
+    """Hand out trivial tasks until each of the pool's two workers has run one (a condition
+    polled, with a safety deadline): both have then finished starting."""
+    import os
+    import time
+
+    answered, deadline = set(), time.monotonic() + 300
+    while len(answered) < 2:
+        assert time.monotonic() < deadline, "a worker never started"
+        tasks = [pool.executor.submit(os.getpid) for _ in range(4)]
+        answered |= {task.result() for task in tasks}
 
 
 def test_stop_workers_returns_after_a_worker_was_killed():
@@ -800,7 +831,7 @@ def test_stop_workers_returns_after_a_worker_was_killed():
     for victim in (0, 1):
         gf.start_workers(2)
         pool = gf.simulation._KEPT_POOLS[0]
-        list(pool.executor.map(int, range(4)))  # the workers started
+        _until_both_workers_answer(pool)  # both started and idle, neither still starting
         pids = gf.worker_pids()
         processes = [pool.executor._processes[pid] for pid in pids]
         os.kill(pids[victim], signal.SIGKILL)

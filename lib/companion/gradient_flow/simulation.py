@@ -500,8 +500,9 @@ class _Stopped(RuntimeError):
 @dataclass
 class _WorkerPool:
     """The kept worker processes of :func:`simulate_many` and the event that tells their
-    running pieces to end (checked every step, so that no worker is killed, least of all
-    while it sends a result)."""
+    running pieces to end (checked every step, so that a healthy pool's workers are never
+    killed, least of all while they send a result; only a pool with a dead worker has its
+    other workers terminated, see :func:`_wait_for_exits`)."""
 
     workers: int
     executor: object
@@ -575,8 +576,10 @@ def stop_workers() -> None:
     """Stop the worker processes of :func:`simulate_many` (a later call starts new ones).
 
     Running pieces end at their next step and queued ones are cancelled; this returns once
-    the processes have exited (a worker still starting finishes its start first). Called
-    at interpreter exit; nothing happens when no workers are running.
+    the processes have exited (a worker still starting finishes its start first). If one
+    of them died abnormally (killed), the others are terminated instead: they could wait
+    for it for ever (see :func:`_wait_for_exits`). Called at interpreter exit; nothing
+    happens when no workers are running.
 
     >>> stop_workers()
     >>> worker_pids()
@@ -593,7 +596,17 @@ def stop_workers() -> None:
     # shutdown(wait=True) would wait on the processes with no way out if a survivor waits
     # for a lock a killed worker held; they are waited for here, then its manager thread
     executor.shutdown(wait=False, cancel_futures=True)
-    _wait_for_exits(processes)
+    try:
+        _wait_for_exits(processes)
+    except BaseException:  # interrupted while waiting: no process may outlive its pool
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        raise
+    if results is not None and any(p.exitcode not in (0, None) for p in processes):
+        # a worker terminated while it sent a result leaves the manager thread reading a
+        # half-sent message; closing our end of the pipe lets it read the end of it
+        results._writer.close()
     if manager is not None:
         manager.join()
     if results is not None:
@@ -602,10 +615,11 @@ def stop_workers() -> None:
 
 def _wait_for_exits(processes) -> None:
     """Return once every worker process has exited. Each is waited for (an event, no time
-    limit) until one has died abnormally (killed: a negative exit code): an idle worker
-    waits for work holding the call queue's lock, and one killed then never releases it,
-    so the others would wait for it for ever; they are terminated then, as their pool is
-    broken and its pieces are run again."""
+    limit) until one has exited abnormally (a non-zero exit code: killed, or crashed): an
+    idle worker waits for work holding the call queue's lock, and one killed then never
+    releases it, so the others would wait for it for ever; they are terminated then, as
+    their pool is broken (its pieces are run again by :func:`simulate_many`, or were being
+    stopped anyway)."""
     from multiprocessing.connection import wait
 
     alive = list(processes)
