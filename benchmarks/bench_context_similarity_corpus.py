@@ -62,8 +62,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (2 quick)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    args.windows = args.windows or (64 if args.quick else 192)
-    args.repeats = args.repeats or (2 if args.quick else 3)
+    for name in ("windows", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
+    args.windows = args.windows if args.windows is not None else (64 if args.quick else 192)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_encoder(device="cpu")
     wins = windows(load_corpus("brown"), tokenizer, 128, max_windows=args.windows, seed=0)

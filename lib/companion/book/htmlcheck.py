@@ -633,7 +633,9 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
     checks its condition. Selenium's default, 0.5 s, left every load waiting about half
     a second after MathJax had finished (its first check starts the wait for MathJax's
     promise, the next one sees it): 16 loads of the smoke book took 7 s longer. The
-    same checks and the same report at any value.
+    same checks and the same report at any value. A page that has not loaded, typeset
+    its maths or loaded its images after ``PAGE_WAIT_LIMIT_S`` (a safety limit) raises a
+    RuntimeError naming it, rather than being checked half done.
     """
     poll_seconds = check_number("poll_seconds", poll_seconds, minimum=0.0, min_open=True)
     build_dir = Path(build_dir)
