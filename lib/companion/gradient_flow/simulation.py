@@ -603,10 +603,11 @@ def stop_workers() -> None:
             if process.is_alive():
                 process.terminate()
         raise
-    if results is not None and any(p.exitcode not in (0, None) for p in processes):
+    writer = getattr(results, "_writer", None)
+    if writer is not None and any(p.exitcode not in (0, None) for p in processes):
         # a worker terminated while it sent a result leaves the manager thread reading a
         # half-sent message; closing our end of the pipe lets it read the end of it
-        results._writer.close()
+        writer.close()
     if manager is not None:
         manager.join()
     if results is not None:
