@@ -549,8 +549,12 @@ def _is_broken(executor) -> bool:
     call has handed its pieces to the surviving workers, so the processes are asked too."""
     if getattr(executor, "_broken", False) or getattr(executor, "_shutdown_thread", False):
         return True
-    processes = getattr(executor, "_processes", None) or {}
-    return any(not process.is_alive() for process in list(processes.values()))
+    return any(not process.is_alive() for process in _processes(executor))
+
+
+def _processes(executor) -> list:
+    """The worker processes of a ProcessPoolExecutor (none once it is shut down)."""
+    return list((getattr(executor, "_processes", None) or {}).values())
 
 
 def _healthy_pool(workers: int) -> _WorkerPool:
@@ -590,21 +594,21 @@ def stop_workers() -> None:
     pool = _KEPT_POOLS.pop()
     pool.stop.set()
     executor = pool.executor
-    processes = list((getattr(executor, "_processes", None) or {}).values())
+    processes = _processes(executor)
     manager = getattr(executor, "_executor_manager_thread", None)
     results = getattr(executor, "_result_queue", None)
     # shutdown(wait=True) would wait on the processes with no way out if a survivor waits
     # for a lock a killed worker held; they are waited for here, then its manager thread
     executor.shutdown(wait=False, cancel_futures=True)
     try:
-        _wait_for_exits(processes)
+        one_died = _wait_for_exits(processes)
     except BaseException:  # interrupted while waiting: no process may outlive its pool
         for process in processes:
             if process.is_alive():
                 process.terminate()
         raise
     writer = getattr(results, "_writer", None)
-    if writer is not None and any(p.exitcode not in (0, None) for p in processes):
+    if writer is not None and one_died:
         # a worker terminated while it sent a result leaves the manager thread reading a
         # half-sent message; closing our end of the pipe lets it read the end of it
         writer.close()
@@ -614,22 +618,25 @@ def stop_workers() -> None:
         results.close()
 
 
-def _wait_for_exits(processes) -> None:
-    """Return once every worker process has exited. Each is waited for (an event, no time
-    limit) until one has exited abnormally (a non-zero exit code: killed, or crashed): an
-    idle worker waits for work holding the call queue's lock, and one killed then never
-    releases it, so the others would wait for it for ever; they are terminated then, as
-    their pool is broken (its pieces are run again by :func:`simulate_many`, or were being
-    stopped anyway)."""
+def _wait_for_exits(processes) -> bool:
+    """Wait until every worker process has exited; return whether one exited abnormally.
+
+    Each is waited for (an event, no time limit) until one has exited abnormally (a
+    non-zero exit code: killed, or crashed): an idle worker waits for work holding the
+    call queue's lock, and one killed then never releases it, so the others would wait
+    for it for ever; they are terminated then, as their pool is broken (its pieces are
+    run again by :func:`simulate_many`, or were being stopped anyway)."""
     from multiprocessing.connection import wait
 
-    alive = list(processes)
+    alive, one_died = list(processes), False
     while alive:
         wait([process.sentinel for process in alive])
         alive = [process for process in alive if process.is_alive()]
-        if any(process.exitcode not in (0, None) for process in processes):
+        if not one_died and any(p.exitcode not in (0, None) for p in processes):
+            one_died = True
             for process in alive:
                 process.terminate()
+    return one_died
 
 
 atexit.register(stop_workers)
@@ -646,8 +653,7 @@ def worker_pids() -> list[int]:
     """
     if not _KEPT_POOLS:
         return []
-    processes = getattr(_KEPT_POOLS[0].executor, "_processes", None) or {}
-    return sorted(process.pid for process in list(processes.values()))
+    return sorted(process.pid for process in _processes(_KEPT_POOLS[0].executor))
 
 
 def start_workers(workers: int | None = None) -> int:
