@@ -40,10 +40,12 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from companion._validate import check_bool, check_int, describe
+
+if TYPE_CHECKING:  # torch is imported where windows are made: `install` (what `make
+    import torch   # setup` runs every time) and `load_corpus` start without it (2-5 s)
 
 
 def sha256_file(path: Path) -> str:
@@ -582,6 +584,8 @@ class Windows:
         lengths = {p.length for p in parts}
         if len(lengths) != 1:
             raise ValueError(f"parts: expected windows of one length, got {sorted(lengths)}")
+        import torch
+
         return Windows(
             torch.cat([p.input_ids for p in parts]),
             torch.cat([p.attention_mask for p in parts]),
@@ -719,6 +723,8 @@ def windows(
             f"corpus: {corpus.name!r} yields no complete window of {length} tokens"
             + ("" if cross_documents else " (try cross_documents=True or a shorter length)")
         )
+    import torch
+
     n = len(rows)
     input_ids = torch.empty((n, length), dtype=torch.long)
     sentence_ids = torch.full((n, length), -1, dtype=torch.long)
