@@ -863,6 +863,28 @@ def test_poisson_by_inversion_is_bit_identical_to_one_pass_at_a_time():
                 assert new.bit_generator.state == old.bit_generator.state
 
 
+def test_poisson_by_inversion_reads_float32_rates_as_their_float64_copies():
+    """float32 rates (the pair grid's P straight from its float32 GEMM) give the counts
+    and the stream position of their exact float64 copies, bit for bit: zero, tiny, small
+    (where the ``u < 1 - r`` shortcut decides), and large ones (numpy's sampler above 16)."""
+    from companion.sbm.fastrg import _poisson_by_inversion
+
+    gen = np.random.Generator(np.random.PCG64(7))
+    cases = [np.zeros(0), np.full(999, 1e-9), gen.uniform(0, 1e-3, 5001),
+             gen.uniform(0.2, 0.3, 20001),
+             np.concatenate([gen.uniform(0, 40, 3001), [16.0, np.nextafter(16.0, 17), 0.0]])]
+    for rates in cases:
+        rates32 = rates.astype(np.float32)
+        for seed in range(3):
+            for dtype in (np.int64, np.float32):
+                old = np.random.Generator(np.random.PCG64(seed))
+                want = _poisson_by_inversion(rates32.astype(np.float64), old, dtype)
+                new = np.random.Generator(np.random.PCG64(seed))
+                got = _poisson_by_inversion(rates32, new, dtype)
+                assert got.dtype == dtype and np.array_equal(got, want)
+                assert new.bit_generator.state == old.bit_generator.state
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("cpu_poisson", ["inversion", "torch"])
 def test_pair_counts_as_floats_equal_the_int64_counts(dtype, cpu_poisson):

@@ -442,8 +442,10 @@ def _key_grid_blocks(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSo
         # a contiguous Khat^T: bmm with a transposed second operand was about twice as slow
         keys_t = km[g0:g1].to(work).transpose(1, 2).contiguous()
         p = torch.bmm(q_times_s[g0:g1], keys_t).reshape(-1)
-        p = p.to(torch.float64)
-        if not bool(torch.isfinite(p.sum())):
+        # summed in float64 (finite exactly when every rate is); the rates stay in the
+        # GEMM's precision: the inversion reads them as float64 numbers (exactly) without
+        # a float64 copy of P
+        if not bool(torch.isfinite(p.sum(dtype=torch.float64))):
             raise ValueError("q_membership, s, k_membership: the expected edge count overflows")
         yield draws.poisson(p, dtype)
 
@@ -605,15 +607,16 @@ class _RandomSource:
         return torch.nonzero(mask).squeeze(1)
 
     def poisson(self, rates: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """Independent ``Poisson(rates)`` counts for a 1-D float64 tensor, as int64 or as
-        numbers of the floating ``dtype`` (the same counts, rounded as a conversion from
-        int64 would round them)."""
+        """Independent ``Poisson(rates)`` counts for a 1-D float32 or float64 tensor (the
+        rates taken as float64 numbers: float32 ones give the counts of their exact float64
+        copy), as int64 or as numbers of the floating ``dtype`` (the same counts, rounded as
+        a conversion from int64 would round them)."""
         if self.inversion:
             # float32 / float64 written directly; other dtypes converted from int64
             np_dtype = _NUMPY_COUNT_DTYPES.get(dtype, np.int64)
             counts = torch.from_numpy(_poisson_by_inversion(rates.numpy(), self.rng, np_dtype))
             return counts.to(dtype)
-        return torch.poisson(rates, generator=self.generator).to(dtype)
+        return torch.poisson(rates.to(torch.float64), generator=self.generator).to(dtype)
 
 
 def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
@@ -628,16 +631,19 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     passes) take numpy's own sampler instead, after the uniforms, so the stream stays in a
     fixed order.  Exact up to float64 rounding of ``F`` (about ``1e-16`` in probability).
     ``dtype``: of the counts (int64, or a float dtype that holds them as numbers).
+    ``rates``: float64, or float32 (read as their exact float64 values: the counts of
+    ``rates.astype(np.float64)`` bit for bit, without that copy).
 
     >>> rng = np.random.Generator(np.random.PCG64(0))
     >>> _poisson_by_inversion(np.array([0.0, 0.5, 40.0]), rng).dtype
     dtype('int64')
     """
     u = rng.random(rates.size)
-    candidate = u >= 1.0 - rates  # u < 1 - r <= e^{-r}: count 0
+    # u < 1 - r <= e^{-r}: count 0 (1 - r in float64 for float32 rates too: exact copies)
+    candidate = u >= np.subtract(1.0, rates, dtype=np.float64)
     live = np.flatnonzero(candidate)
     del candidate
-    r = rates.take(live)
+    r = rates.take(live).astype(np.float64, copy=False)
     # every rate above the limit is a candidate (1 - r < 0 <= u), so the candidates'
     # maximum decides whether there is one (a quarter of the rates at r = 0.25, not all)
     has_large = bool(r.size) and not r.max() <= _INVERSION_MAX_RATE
