@@ -48,7 +48,7 @@ browser:
 # build --help`).
 book: setup
 	$(PY) -m companion build --scale $(SCALE) --device $(DEVICE) --jobs $(JOBS) --nproc $(NPROC)
-	@$(MAKE) --no-print-directory check-html
+	$(CHECK_HTML)
 
 # The book a reader sees online: each chapter at the largest scale it reaches on a CPU
 # (lib/companion/book/runner.py, PUBLISH_SCALES: paper for hasse, gradient_flow and
@@ -56,10 +56,17 @@ book: setup
 # scale-out (corpus pass, LRA training) with 4 processes.
 publish: setup
 	$(PY) -m companion build --scale publish --device $(DEVICE) --jobs $(JOBS) --nproc $(NPROC)
-	@$(MAKE) --no-print-directory check-html
+	$(CHECK_HTML)
+
+# The browser check of the built book, the last step of `book` and `publish` (run in
+# their recipe, not as a sub-make, so that `setup` runs once). A page whose HTML, loaded
+# files and checker are unchanged since it passed is not re-opened (htmlcheck_cache);
+# CHECK_HTML_FORCE=1 re-checks every page.
+CHECK_HTML_FORCE ?=
+CHECK_HTML = $(PY) -m companion check-html$(if $(filter-out 0 no false,$(CHECK_HTML_FORCE)), --force)
 
 check-html: setup
-	$(PY) -m companion check-html
+	$(CHECK_HTML)
 
 pages: setup
 	$(PY) -m companion pages

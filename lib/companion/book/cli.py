@@ -5,7 +5,7 @@
     python -m companion build [--scale SPEC] [--device D] [--jobs N] [--chapters a,b]
                               [--force] [--timeout SECONDS] [--nproc N]
     python -m companion pages                 # regenerate figure index + report only
-    python -m companion check-html [--build-dir DIR]
+    python -m companion check-html [--build-dir DIR] [--force]
     python -m companion list                  # chapters and their parameters
 
 run --out DIR: the documented way to explore parameters. The run (executed notebook,
@@ -33,6 +33,11 @@ problem); 2 bad input (unknown chapter, scale or parameter, bad --timeout or --n
 CUDA device this machine lacks, a refused non-default run or --out folder, no built book
 for check-html); 130 interrupted by Ctrl-C (SIGINT), 143 by SIGTERM, with the published
 outputs whole.
+
+check-html: a page whose HTML, loaded files (css, js, MathJax, images), linked files and
+checker (its code, the Chromium version) are unchanged since it passed is not re-opened
+(the passes are recorded in <build dir>/../.htmlcheck-cache.json); --force opens every
+page.
 
 --timeout: the longest one cell may run, in seconds; by default smoke 600, ci 1800,
 paper 86400. A cell that runs longer fails the chapter, naming the cell.
@@ -133,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-html", help="open every page in headless Chromium")
     check.add_argument("--build-dir", type=Path, default=None)
+    check.add_argument("--force", action="store_true",
+                       help="open every page, also those unchanged since they passed")
     check.add_argument("--root", type=Path, default=None, dest="root_sub")
 
     lst = sub.add_parser("list", help="chapters and their parameters")
@@ -188,9 +195,11 @@ def _main(argv: list[str] | None) -> int:
             return 0
         if args.command == "check-html":
             from companion.book.htmlcheck import check_book
+            from companion.book.htmlcheck_cache import cache_file
 
             build_dir = args.build_dir or project.build_dir / "html"
-            report = check_book(project, build_dir)
+            report = check_book(project, build_dir, cache=cache_file(build_dir),
+                                force=args.force, echo=_say)
             print(report.summary())
             return report.exit_code
         if args.command == "list":

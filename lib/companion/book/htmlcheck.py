@@ -18,6 +18,12 @@ HTML, tested on small hand-written pages; the browser applies them to the render
 (``page_source``).
 Screenshots of each page at both widths are saved under ``<build>/../screenshots/``.
 
+A page that passed is not opened again while nothing it read has changed: its HTML, the
+bytes of every file the browser loaded for it, whether the files its links name exist,
+the checker's code and the Chromium, chromedriver and selenium versions
+(:mod:`companion.book.htmlcheck_cache`; ``check_book(cache=...)``, which
+``python -m companion check-html`` passes; ``--force`` opens every page).
+
 Outcomes (the exit code of ``python -m companion check-html``, :attr:`Report.exit_code`):
 a problem on any page is a failure (1); no built book to check is an error (2); a
 missing Chromium or chromedriver *skips* the check (0, so ``make book`` still succeeds
@@ -32,6 +38,7 @@ import http.server
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -303,17 +310,46 @@ def cite_line_problems(page_html: str, page: str = "", build_dir: Path | None = 
     return problems
 
 
-def _missing_in_build(href: str, page: str, build_dir: Path) -> bool:
-    """Whether the relative link ``href`` of ``page`` names no file of the build."""
+def _link_target(href: str, page: str) -> str | None:
+    """The path in the build that the relative link ``href`` of ``page`` names (it may
+    start with ``..``: outside the build), or None for another site or a link within
+    the page."""
     import posixpath
     import urllib.parse
 
     parts = urllib.parse.urlsplit(href)
     if parts.scheme or parts.netloc or not parts.path:
-        return False  # another site, or a link within the page
-    target = posixpath.normpath(posixpath.join(posixpath.dirname(page),
-                                               urllib.parse.unquote(parts.path)))
+        return None  # another site, or a link within the page
+    return posixpath.normpath(posixpath.join(posixpath.dirname(page),
+                                             urllib.parse.unquote(parts.path)))
+
+
+def _missing_in_build(href: str, page: str, build_dir: Path) -> bool:
+    """Whether the relative link ``href`` of ``page`` names no file of the build."""
+    target = _link_target(href, page)
+    if target is None:
+        return False
     return target.startswith("..") or not (build_dir / target).is_file()
+
+
+def linked_files(page_html: str, page: str) -> list[str]:
+    """The files of the build that the relative links of a page (``<a href>``, ``<img
+    src>``) name: what :func:`broken_links` and :func:`cite_line_problems` look up
+    (the browser check's cache keys their existence).
+
+    >>> linked_files('<a href="../a/b.pdf#p2">b</a><img src="c%20d.png"><a href="#top">t'
+    ...              '</a><a href="https://x.org/">x</a>', "book/p.html")
+    ['a/b.pdf', 'book/c d.png']
+    """
+    found = []
+    for node in _tree(page_html).iter():
+        attr = {"a": "href", "img": "src"}.get(node.tag)
+        link = node.attrs.get(attr or "", "")
+        if link and not link.startswith(("#", "data:", "mailto:", "javascript:")):
+            target = _link_target(link, page)
+            if target is not None and not target.startswith(".."):
+                found.append(target)
+    return list(dict.fromkeys(found))
 
 
 def broken_links(page_html: str, page: str, build_dir: Path) -> list[str]:
@@ -473,6 +509,8 @@ class PageResult:
     math: int = 0
     screenshot: str = ""  # at the first of WIDTHS
     screenshots: dict[int, str] = field(default_factory=dict)  # width -> file
+    unchanged_since: str = ""  # not opened: passed at this time, nothing it read changed
+    why_opened: str = ""  # with a cache: why the page was checked in the browser
 
 
 @dataclass
@@ -482,6 +520,7 @@ class Report:
     pages: list[PageResult]
     skipped: str = ""  # the check did not run (no browser): not a failure
     error: str = ""  # the check could not run (no built book): a failure
+    notes: list[str] = field(default_factory=list)  # e.g. an unreadable cache file ignored
 
     @property
     def ok(self) -> bool:
@@ -496,15 +535,27 @@ class Report:
         return 0 if self.ok else 1
 
     def summary(self) -> str:
+        from companion.book.htmlcheck_cache import since_text
+
         if self.error:
             return f"check-html error: {self.error}"
         if self.skipped:
             return f"check-html skipped: {self.skipped}"
-        lines = []
+        lines = list(self.notes)
         for p in self.pages:
             state = "ok" if not p.problems else "FAIL: " + "; ".join(p.problems)
+            if p.unchanged_since:
+                state += " (unchanged since it passed, not re-opened)"
             lines.append(f"{p.page}: {p.images} image(s), {p.math} math element(s) "
                          f"rendered -> {state}")
+        unchanged = [p.unchanged_since for p in self.pages if p.unchanged_since]
+        if unchanged:
+            lines.append(f"check-html: {len(unchanged)} page(s) unchanged since "
+                         f"{since_text(unchanged)}, not re-opened (--force re-checks them)")
+        opened = [(p.page, p.why_opened) for p in self.pages if p.why_opened]
+        if opened:
+            lines.append(f"check-html: {len(opened)} page(s) opened in the browser: "
+                         + _by_reason(opened))
         shots = [p.screenshot for p in self.pages if p.screenshot]
         lines.append(f"check-html: {sum(not p.problems for p in self.pages)}/{len(self.pages)} "
                      "pages ok; " + (f"screenshots in {Path(shots[0]).parent}" if shots
@@ -512,15 +563,36 @@ class Report:
         return "\n".join(lines)
 
 
+def _by_reason(pages: list[tuple[str, str]]) -> str:
+    """``reason: page, page; reason: page`` from (page, reason) pairs.
+
+    >>> _by_reason([("a.html", "new"), ("b.html", "its HTML changed"), ("c.html", "new")])
+    'new: a.html, c.html; its HTML changed: b.html'
+    """
+    grouped: dict[str, list[str]] = {}
+    for page, reason in pages:
+        grouped.setdefault(reason, []).append(page)
+    return "; ".join(f"{reason}: {', '.join(names)}" for reason, names in grouped.items())
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep test output readable
         pass
 
 
+    def log_request(self, code="-", size="-") -> None:
+        log = getattr(self.server, "request_log", None)
+        if log is not None:  # every answered request, a missing file's too
+            log.append(self.path)
+
+
 @contextlib.contextmanager
-def serve(folder: Path):
+def serve(folder: Path, request_log: list[str] | None = None):
+    """Serve ``folder`` on 127.0.0.1 at a free port (yields the base URL); the path of
+    every request answered is appended to ``request_log`` when given."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.request_log = request_log
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -549,6 +621,12 @@ return {images: imgs.length, bad: bad, mathSource: mathSource, rendered: rendere
         prose: clone.textContent,
         mathjax: !!(window.MathJax && window.MathJax.startup)};
 """
+# Every file this document loaded, from the browser's cache too (the buffer is made
+# large enough at each document's start: _RESOURCE_BUFFER_JS).
+_RESOURCES_JS = """
+return [document.URL].concat(performance.getEntriesByType('resource').map(e => e.name));
+"""
+_RESOURCE_BUFFER_JS = "performance.setResourceTimingBufferSize(1000000);"
 _EXCLUDED_SELECTOR = ", ".join(list(EXCLUDED_TAGS) + [f".{c}" for c in EXCLUDED_CLASSES])
 _BLOCK_SELECTOR = ", ".join(BLOCK_TAGS)
 
@@ -622,7 +700,9 @@ def is_chapter_page(page: str) -> bool:
 
 
 def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
-               screenshots: bool = True, poll_seconds: float = 0.05) -> Report:
+               screenshots: bool = True, poll_seconds: float = 0.05,
+               cache: str | Path | None = None, force: bool = False,
+               echo: Callable[[str], None] | None = None) -> Report:
     """Open every page in headless Chromium and report what is broken (see module doc).
 
     ``screenshots=False`` runs every check (both widths included) without saving the
@@ -636,7 +716,18 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
     same checks and the same report at any value. A page that has not loaded, typeset
     its maths or loaded its images after ``PAGE_WAIT_LIMIT_S`` (a safety limit) raises a
     RuntimeError naming it, rather than being checked half done.
+
+    ``cache``: the file of passing checks (:func:`companion.book.htmlcheck_cache.cache_file`
+    of the build; None, the default: no cache). A page unchanged since its recorded pass
+    is reported passed without being opened (``unchanged_since``; with ``screenshots``,
+    its screenshots must still be there); the others are opened (``why_opened``), and
+    when the check has run to its end the passes are recorded and the failures removed.
+    No browser is started when every page is unchanged. ``force`` opens every page (and
+    records the result). ``echo`` receives a line saying which pages are opened and why.
     """
+    from companion.book import htmlcheck_cache as hc
+    from companion.book.interrupts import raise_if_interrupted, signals_deferred
+
     poll_seconds = check_number("poll_seconds", poll_seconds, minimum=0.0, min_open=True)
     build_dir = Path(build_dir)
     if not (build_dir / "index.html").exists():
@@ -647,19 +738,117 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
                                   "them when run as root: apt-get install chromium "
                                   "chromium-driver)")
     pages = pages or toc_pages(project)
+    notes: list[str] = []
+    store = None
+    unchanged: dict[str, hc.CachedPass] = {}
+    why: dict[str, str] = {}
+    if cache is not None:
+        try:
+            fingerprint = hc.checker_fingerprint(
+                hc.tool_versions(browser, driver_path),
+                [Path(__file__), Path(hc.__file__)])
+        except RuntimeError as exc:
+            notes.append(f"check-html: no cache of passing checks ({exc}): every page is "
+                         "checked in the browser")
+        else:
+            store, note = hc.CheckCache.load(Path(cache), build_dir, fingerprint)
+            notes += [note] if note else []
+            states = hc.FileStates(build_dir)
+            for page in pages:
+                entry, reason = (None, "--force") if force else store.lookup(
+                    page, states, screenshots=screenshots)
+                if entry is not None:
+                    unchanged[page] = entry
+                else:
+                    why[page] = reason
+    to_open = [p for p in pages if p not in unchanged]
+    if echo and store is not None:
+        if to_open:
+            echo(f"check-html: opening {len(to_open)} of {len(pages)} page(s) in the browser "
+                 f"({len(unchanged)} unchanged since they passed): "
+                 + _by_reason([(p, why[p]) for p in to_open]))
+        else:
+            echo(f"check-html: all {len(pages)} page(s) unchanged since "
+                 f"{hc.since_text([e.checked for e in unchanged.values()])}, not re-opened")
+    before = {}
+    if store is not None:  # the pages' bytes as they were when checked
+        states = hc.FileStates(build_dir)
+        before = {p: states.content(p) for p in to_open}
+    reads: dict[str, hc.PageReads] = {}
+    opened = {}
+    if to_open:
+        checked = hc.now_utc()
+        for res in _open_pages(browser, driver_path, build_dir, to_open, reads,
+                               screenshots=screenshots, poll_seconds=poll_seconds):
+            res.why_opened = why.get(res.page, "")
+            opened[res.page] = res
+    results = []
+    for page in pages:
+        if page in opened:
+            results.append(opened[page])
+            continue
+        entry = unchanged[page]
+        shots = {int(w): s[0] for w, s in entry.screenshots.items()}
+        results.append(PageResult(page, images=entry.images, math=entry.math,
+                                  screenshot=shots.get(WIDTHS[0], ""), screenshots=shots,
+                                  unchanged_since=entry.checked))
+    if store is not None and opened:
+        raise_if_interrupted()  # an interrupt, even one swallowed on the way: no record
+        states = hc.FileStates(build_dir)
+        for page, res in opened.items():
+            read = reads.get(page, hc.PageReads())
+            if res.problems:
+                store.forget(page)
+            elif read.external:
+                notes.append(f"check-html: {page} loaded files from other hosts "
+                             f"({sorted(read.external)[:2]}): its pass is not recorded")
+            elif states.content(page) != before.get(page):
+                notes.append(f"check-html: {page} changed while it was checked: its pass "
+                             "is not recorded")
+            else:
+                store.record(page, states.of(read.loaded | {page}, read.linked),
+                             res.images, res.math, res.screenshots, checked)
+        with signals_deferred():
+            store.save()
+    return Report(results, notes=notes)
+
+
+def _record_loads(driver, base: str, read) -> None:
+    """Add what the current document loaded (its resource timing) to ``read``."""
+    from companion.book import htmlcheck_cache as hc
+
+    for url in driver.execute_script(_RESOURCES_JS) or []:
+        rel = hc.build_path(url, base)
+        if rel is not None:
+            read.loaded.add(rel)
+        elif not hc.is_local_url(url, base):
+            read.external.add(url)
+
+
+def _open_pages(browser: str, driver_path: str, build_dir: Path, pages: list[str],
+                reads: dict, *, screenshots: bool, poll_seconds: float) -> list[PageResult]:
+    """Check ``pages`` in one headless Chromium (the checks of the module doc); what
+    each page's check read goes into ``reads[page]`` (a PageReads)."""
+    from companion.book import htmlcheck_cache as hc
+
     shots = build_dir.parent / "screenshots"
     if screenshots:
         shots.mkdir(parents=True, exist_ok=True)
     results = []
-    with serve(build_dir) as base:
+    requests: list[str] = []
+    with serve(build_dir, requests) as base:
         driver = _driver(browser, driver_path)
         try:
+            driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",
+                                   {"source": _RESOURCE_BUFFER_JS})
             for page in pages:
                 res = PageResult(page)
                 results.append(res)
+                read = reads.setdefault(page, hc.PageReads())
                 if not (build_dir / page).exists():
                     res.problems.append("page missing from the build")
                     continue
+                first_request = len(requests)
                 _set_viewport(driver, WIDTHS[0], 1000)
                 _load(driver, f"{base}/{page}", poll_seconds)
                 state = driver.execute_script(_PAGE_STATE_JS, _EXCLUDED_SELECTOR,
@@ -681,8 +870,10 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
                     res.problems.append(f"scripts from other hosts: {external[:3]}")
                 if state["mathSource"] and not any("mathjax" in s for s in state["scripts"]):
                     res.problems.append("maths present but the local MathJax is not loaded")
-                res.problems += page_problems(driver.page_source, page, build_dir,
+                source = driver.page_source
+                res.problems += page_problems(source, page, build_dir,
                                               chapter_page=is_chapter_page(page))
+                read.linked.update(linked_files(source, page))
                 errors = [e["message"] for e in driver.get_log("browser")
                           if e.get("level") == "SEVERE"]
                 if errors:
@@ -696,16 +887,22 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
                         driver.execute_script(_SIDEWAYS_JS, ", ".join(MUST_FIT)), width)
                     if problem:
                         res.problems.append(problem)
-                    if not screenshots:
-                        continue
-                    # Full-page screenshot: the viewport as tall as the page.
-                    height = driver.execute_script(
-                        "return document.documentElement.scrollHeight")
-                    _set_viewport(driver, width, min(int(height) + 50, 16000))
-                    shot = shots / (stem + ("" if width == WIDTHS[0] else f"@{width}") + ".png")
-                    driver.save_screenshot(str(shot))
-                    res.screenshots[width] = str(shot)
+                    if screenshots:
+                        # Full-page screenshot: the viewport as tall as the page.
+                        height = driver.execute_script(
+                            "return document.documentElement.scrollHeight")
+                        _set_viewport(driver, width, min(int(height) + 50, 16000))
+                        shot = shots / (stem + ("" if width == WIDTHS[0] else f"@{width}")
+                                        + ".png")
+                        driver.save_screenshot(str(shot))
+                        res.screenshots[width] = str(shot)
+                    _record_loads(driver, base, read)
                 res.screenshot = res.screenshots.get(WIDTHS[0], "")
+                # what the server was asked for meanwhile (a late request of this page
+                # may land on the next one: more files in its key, never fewer)
+                read.loaded.update(
+                    p for p in (hc.build_path(base + r, base) for r in requests[first_request:])
+                    if p is not None)
         finally:
             driver.quit()
-    return Report(results)
+    return results
