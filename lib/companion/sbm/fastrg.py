@@ -639,9 +639,17 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     dtype('int64')
     """
     u = rng.random(rates.size)
-    # u < 1 - r <= e^{-r}: count 0 (1 - r in float64 for float32 rates too: exact copies)
-    candidate = u >= np.subtract(1.0, rates, dtype=np.float64)
+    # u < 1 - r <= e^{-r}: count 0; 1 - r in float64 for float32 rates too (of their
+    # exact float64 copies: a plain cast and an in-place subtract, about three times
+    # faster here than numpy's mixed-dtype subtract)
+    one_minus = rates.astype(np.float64)
+    np.subtract(1.0, one_minus, out=one_minus)
+    candidate = u >= one_minus
+    del one_minus
     live = np.flatnonzero(candidate)
+    # pass 1 below writes the count 1 of every candidate whose u >= F(0); most are (at
+    # r = 0.25, 88 %), so every candidate starts at 1 and the others are set back to 0
+    counts = candidate.astype(dtype)
     del candidate
     r = rates.take(live).astype(np.float64, copy=False)
     # every rate above the limit is a candidate (1 - r < 0 <= u), so the candidates'
@@ -655,9 +663,9 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     rest = u.take(live)
     rest -= term  # u - F(0)
     del u
-    # pass 1 over every candidate: counts >= 1 where u >= F(0)
-    counts = np.zeros(rates.size, dtype=dtype)
-    counts[live] = rest >= 0
+    # pass 1 over every candidate: counts >= 1 where u >= F(0), else 0 (the large rates'
+    # 1 is overwritten by their own sampler below)
+    counts[live.take(np.flatnonzero(rest < 0))] = 0
     passes = 1
     term *= r
     rest -= term  # u - F(1)
