@@ -84,7 +84,10 @@ def test_unchanged_pages_are_not_reopened(tmp_path, monkeypatch):
     lines = []
     first = _check(html, echo=lines.append)
     assert first.ok and fake.opened == [PAGES]
-    assert "opening 3 of 3 page(s)" in lines[0] and "no passing check recorded" in lines[0]
+    assert lines == ["check-html: opening 3 of 3 page(s) in the browser, 0 unchanged since "
+                     "they passed"]
+    assert "3 page(s) opened in the browser: no passing check recorded: index.html, " \
+        "book/a.html, book/b.html" in first.summary()
     assert all(not p.unchanged_since for p in first.pages)
     stored = json.loads(hc.cache_file(html).read_text())
     assert set(stored["pages"]) == {f"html/{p}" for p in PAGES}
@@ -95,7 +98,7 @@ def test_unchanged_pages_are_not_reopened(tmp_path, monkeypatch):
     assert second.ok and second.exit_code == 0
     assert [p.page for p in second.pages] == PAGES
     assert all(p.unchanged_since and (p.images, p.math) == (1, 2) for p in second.pages)
-    assert "all 3 page(s) unchanged since the passing check of" in lines[0]
+    assert lines == []
     summary = second.summary()
     assert "check-html: 3 page(s) unchanged since the passing check of " in summary
     assert "not re-opened" in summary and "3/3 pages ok" in summary
@@ -144,6 +147,17 @@ def test_checker_fingerprint_reads_the_checks_code(tmp_path):
     assert hc.checker_fingerprint({"chromium": "1"}, [code]) != before
     assert hc.checker_fingerprint({"chromium": "2"}, [code]) != hc.checker_fingerprint(
         {"chromium": "1"}, [code])
+
+
+def test_the_font_stamp_sees_a_font_added_or_changed(tmp_path):
+    fonts = tmp_path / "fonts"
+    (fonts / "truetype").mkdir(parents=True)
+    empty = hc.font_files_stamp([str(fonts), str(tmp_path / "none")])
+    (fonts / "truetype" / "a.ttf").write_bytes(b"font")
+    one = hc.font_files_stamp([str(fonts)])
+    assert one != empty and one == hc.font_files_stamp([str(fonts)])
+    (fonts / "truetype" / "a.ttf").write_bytes(b"another font")
+    assert hc.font_files_stamp([str(fonts)]) != one
 
 
 def test_a_failure_is_never_recorded(tmp_path, monkeypatch):
@@ -222,7 +236,7 @@ def test_cli_check_html_uses_the_cache_and_force(demo_project, monkeypatch, caps
     assert main(["check-html", *root]) == 0
     assert fake.opened == [pages], "the second check opened nothing"
     out = capsys.readouterr().out
-    assert f"check-html: all {len(pages)} page(s) unchanged since the passing check" in out
+    assert f"check-html: {len(pages)} page(s) unchanged since the passing check" in out
     assert (demo_project.build_dir / hc.CACHE_NAME).exists()
     shot = Path(json.loads((demo_project.build_dir / hc.CACHE_NAME).read_text())["pages"][
         f"html/{pages[0]}"]["screenshots"]["1400"][0])

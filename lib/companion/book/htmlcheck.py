@@ -723,7 +723,7 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
     its screenshots must still be there); the others are opened (``why_opened``), and
     when the check has run to its end the passes are recorded and the failures removed.
     No browser is started when every page is unchanged. ``force`` opens every page (and
-    records the result). ``echo`` receives a line saying which pages are opened and why.
+    records the result). ``echo`` receives a line saying how many pages are opened.
     """
     from companion.book import htmlcheck_cache as hc
     from companion.book.interrupts import raise_if_interrupted, signals_deferred
@@ -762,14 +762,9 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
                 else:
                     why[page] = reason
     to_open = [p for p in pages if p not in unchanged]
-    if echo and store is not None:
-        if to_open:
-            echo(f"check-html: opening {len(to_open)} of {len(pages)} page(s) in the browser "
-                 f"({len(unchanged)} unchanged since they passed): "
-                 + _by_reason([(p, why[p]) for p in to_open]))
-        else:
-            echo(f"check-html: all {len(pages)} page(s) unchanged since "
-                 f"{hc.since_text([e.checked for e in unchanged.values()])}, not re-opened")
+    if echo and store is not None and to_open:  # (the summary says why)
+        echo(f"check-html: opening {len(to_open)} of {len(pages)} page(s) in the browser, "
+             f"{len(unchanged)} unchanged since they passed")
     before = {}
     if store is not None:  # the pages' bytes as they were when checked
         states = hc.FileStates(build_dir)

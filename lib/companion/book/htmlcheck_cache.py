@@ -6,8 +6,9 @@ a key: the SHA-256 of
 
 - the checker: the source of :mod:`companion.book.htmlcheck` and of this module (what is
   checked, the widths, the scripts run in the page), the Chromium and chromedriver
-  versions (their ``--version``), the paths they were found at, and the selenium and
-  Python versions (:func:`checker_fingerprint`);
+  versions (their ``--version``), the paths they were found at, the selenium and
+  Python versions, and the system's font files (names, sizes and times: text widths,
+  hence a page's layout, depend on them) (:func:`checker_fingerprint`);
 - the page's path and the bytes of every file the browser loaded for it: the page
   itself and what it pulled in (style sheets, scripts, MathJax and its fonts, images),
   as the local server saw the requests and as the page's resource timing lists them
@@ -57,10 +58,32 @@ def cache_file(build_dir: str | os.PathLike) -> Path:
     return Path(build_dir).parent / CACHE_NAME
 
 
+#: Where fonts that Chromium lays text out with live (fontconfig's folders on Linux,
+#: the system's on macOS); those that exist are stamped by :func:`font_files_stamp`.
+FONT_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts", "/etc/fonts", "~/.fonts",
+             "~/.local/share/fonts", "/System/Library/Fonts", "/Library/Fonts")
+
+
+def font_files_stamp(dirs=FONT_DIRS) -> str:
+    """SHA-256 of the path, size and modification time of every file under ``dirs``
+    (those that exist): another font installed, removed or updated changes it."""
+    h = hashlib.sha256()
+    for top in dirs:
+        for folder, _subdirs, files in sorted(os.walk(os.path.expanduser(top))):
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def tool_versions(browser: str, driver: str) -> dict[str, str]:
     """What the check runs on: Chromium's and chromedriver's ``--version`` (and where
-    they are), selenium's and Python's version. Raises RuntimeError when a
-    ``--version`` fails (the check cannot then be keyed)."""
+    they are), selenium's and Python's version, the fonts (:func:`font_files_stamp`).
+    Raises RuntimeError when a ``--version`` fails (the check cannot then be keyed)."""
     versions = {"chromium_path": str(Path(browser).resolve()),
                 "chromedriver_path": str(Path(driver).resolve())}
     for name, program in (("chromium", browser), ("chromedriver", driver)):
@@ -80,6 +103,7 @@ def tool_versions(browser: str, driver: str) -> dict[str, str]:
     except Exception:  # noqa: BLE001 - no selenium: the check itself says so
         versions["selenium"] = "none"
     versions["python"] = sys.version.split()[0]
+    versions["fonts"] = font_files_stamp()
     return versions
 
 
