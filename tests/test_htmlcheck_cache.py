@@ -49,6 +49,7 @@ class FakeBrowser:
         self.opened: list[list[str]] = []
         self.failing: dict[str, str] = {}
         self.interrupt = False
+        self.rewrite: dict[str, str] = {}  # files of the build rewritten during the check
         self.chromium = chromium
         monkeypatch.setattr(htmlcheck, "find_browser", lambda: ("chromium", "chromedriver"))
         monkeypatch.setattr(hc, "tool_versions", lambda b, d: {"chromium": self.chromium})
@@ -57,6 +58,8 @@ class FakeBrowser:
     def open_pages(self, browser, driver, build_dir, pages, reads, *, screenshots,
                    poll_seconds):
         self.opened.append(list(pages))
+        for rel, text in self.rewrite.items():
+            (build_dir / rel).write_text(text)
         results = []
         for i, page in enumerate(pages):
             if self.interrupt and i == 1:
@@ -178,6 +181,16 @@ def test_a_failure_is_never_recorded(tmp_path, monkeypatch):
     fake.failing = {}
     _check(html)
     assert fake.opened[-1] == ["book/a.html"]
+
+
+@pytest.mark.parametrize("rel", ["book/a.html", "_images/a.png"])
+def test_a_file_rewritten_during_the_check_is_not_recorded(tmp_path, monkeypatch, rel):
+    html, fake = _build(tmp_path), FakeBrowser(monkeypatch)
+    fake.rewrite = {rel: "rewritten while the browser had it open"}
+    report = _check(html)
+    assert report.ok and "book/a.html changed while it was checked" in report.summary()
+    stored = json.loads(hc.cache_file(html).read_text())["pages"]
+    assert set(stored) == {"html/index.html", "html/book/b.html"}
 
 
 def test_an_interrupted_check_records_nothing(tmp_path, monkeypatch):

@@ -38,6 +38,7 @@ import http.server
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -769,6 +770,7 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
     if store is not None:  # the pages' bytes as they were when checked
         states = hc.FileStates(build_dir)
         before = {p: states.content(p) for p in to_open}
+    started = time.time()
     reads: dict[str, hc.PageReads] = {}
     opened = {}
     if to_open:
@@ -797,7 +799,8 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
             elif read.external:
                 notes.append(f"check-html: {page} loaded files from other hosts "
                              f"({sorted(read.external)[:2]}): its pass is not recorded")
-            elif states.content(page) != before.get(page):
+            elif states.content(page) != before.get(page) or states.modified_since(
+                    read.loaded | read.linked, started):
                 notes.append(f"check-html: {page} changed while it was checked: its pass "
                              "is not recorded")
             else:

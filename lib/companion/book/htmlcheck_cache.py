@@ -197,6 +197,17 @@ class FileStates:
     def exists(self, rel: str) -> str:
         return "file" if (self.build_dir / rel).is_file() else "missing"
 
+    def modified_since(self, rels, since: float) -> bool:
+        """Whether a file of ``rels`` was modified at or after the time ``since`` (during
+        a check that started then: what it read may not be what is there now)."""
+        for rel in rels:
+            try:
+                if (self.build_dir / rel).stat().st_mtime >= since:
+                    return True
+            except OSError:
+                continue
+        return False
+
     def of(self, loaded, linked) -> dict[str, dict[str, str]]:
         """The states of ``loaded`` (content) and ``linked`` (existence) files, sorted;
         a file both loaded and linked counts by its content."""
@@ -296,7 +307,8 @@ class CheckCache:
         if entry is None:
             return None, "no passing check recorded"
         if entry.checker != self.fingerprint:
-            return None, "the checker changed (its code, Chromium, chromedriver or selenium)"
+            return None, ("the checker changed (its code, Chromium, chromedriver, selenium "
+                          "or the fonts)")
         now = states.of(entry.reads["loaded"], entry.reads["linked"])
         if page_key(self.fingerprint, page, now) != entry.key:
             return None, _what_changed(page, entry.reads, now)
