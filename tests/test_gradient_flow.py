@@ -659,6 +659,14 @@ def test_results_do_not_depend_on_the_thread_count(blocks):
         assert torch.equal(getattr(runs[0], key), getattr(runs[1], key)), key
 
 
+# The pool tests below: starting a worker is an interpreter and `import torch` (about 2 s of
+# CPU each; these tests start about 20). A test that needs a pool of 2 without caring who
+# started it takes the one the test before it left running (simulate_many and start_workers
+# keep a healthy pool of that size, and replace a missing or broken one): each test passes
+# alone or in any order, and a test that needs fresh workers (started now, stopped, killed)
+# makes them itself. The last one stops its workers.
+
+
 def test_simulate_many_on_two_processes_equals_one_simulate_per_run():
     """Runs cut into pieces of paths on 2 worker processes: the trajectories of one
     simulate call per run bit for bit (noise drawn for all paths, each piece keeping its
@@ -755,8 +763,8 @@ def test_workers_survive_an_interrupt_while_they_start():
         os.kill(pid, signal.SIGINT)
     result = gf.simulate_many([run], workers=2)[0]
     assert gf.worker_pids() == pids
-    gf.stop_workers()
     _assert_same_trajectory(gf.simulate(**run), result)
+    # its pool is left running for the next test (see the note above these tests)
 
 
 def _kill_and_wait(pid):
@@ -803,7 +811,7 @@ def test_simulate_many_replaces_a_broken_pool(monkeypatch):
     _kill_and_wait(gf.worker_pids()[0])
     gf.start_workers(2)  # a broken pool is replaced here too (or by the call after)
     _assert_same_trajectory(result, gf.simulate_many([run], workers=2)[0])
-    gf.stop_workers()
+    # its pool is left running for the next test (see the note above these tests)
 
 
 def _until_both_workers_answer(pool):
