@@ -15,7 +15,8 @@ What builds the book:
 - ``runner``, ``cli``: execute chapters and build the book; ``project``: the project's
   places and the records both the runner and the pages read; ``pages`` (figure index,
   reproduction report); ``myst``: every MyST string the book writes; ``citations``
-  (BibTeX, the Cite line); ``htmlcheck`` (browser check); ``interrupts`` (Ctrl-C as a
+  (BibTeX, the Cite line); ``htmlcheck`` (browser check), ``htmlcheck_cache`` (the
+  passes it need not repeat: pages unchanged since a passing check); ``interrupts`` (Ctrl-C as a
   recorded state); ``files`` (atomic writes), ``gitstate`` (repository, commit)
 - ``claims_diff``: the claims that differ between two builds; ``site``: the book's
   addresses
