@@ -442,24 +442,30 @@ def _step(tokens, weights, sign, drift, sigma, noise, scratch: _Scratch | None,
     else:
         s0, s1, a, ito = _shifted_exp_moments(tokens, weights, with_ito, tuning)
 
-    def stack(mats):  # [P, d H, d]: row b H + h holds M_h[b, :]
+    def stack_t(mats):  # [P, d, d H]: column b H + h holds M_h[b, :] (= M_h[:, b])
         if mats.dim() == 3:
             mats = mats.unsqueeze(0).expand(P, -1, -1, -1)
-        return mats.permute(0, 2, 1, 3).reshape(P, d * H, d)
+        return mats.permute(0, 3, 2, 1).reshape(P, d, d * H)
+
+    def contract(mats_t, moments):  # [P, n, k]: sum_(b, h) moments_ibh M_h[b, :] per path
+        # the matrices as the left operand: [k, d H] @ [d H, n] ran 2.5x faster than
+        # [n, d H] @ [d H, k] for k = 3, 9 (MKL, float64)
+        return torch.matmul(mats_t, moments.reshape(P, n, d * H).transpose(1, 2)) \
+            .transpose(1, 2).contiguous()
 
     # sum_h M_h a_ih (M symmetric) is one contraction over (b, h): a GEMM per path.
-    weights_stacked = stack(weights)
-    mats = [weights_stacked]
+    weights_t = stack_t(weights)
+    mats = [weights_t]
     if drift is not None:
-        mats.append(stack(drift))
+        mats.append(stack_t(drift))
     if noise is not None and sigma > 0:
-        mats.append(stack(noise))
+        mats.append(stack_t(noise))
     # n sum_h Z_ih M_h a_ih for M = D, f and dW in one GEMM
-    zm = torch.matmul(s1.reshape(P, n, d * H), torch.cat(mats, -1)) / n
+    zm = contract(torch.cat(mats, 1), s1) / n
     sum_zm = zm[..., :d]
     if a is None:
         a = s1.div_(s0.unsqueeze(2))  # a_ih: softmax mean of the tokens
-    sum_m = torch.matmul(a.reshape(P, n, d * H), weights_stacked)
+    sum_m = contract(weights_t, a)
     vel = (sign / H) * (sum_m - (tokens * sum_m).sum(-1, keepdim=True) * tokens)
     ghat = (sum_zm - (tokens * sum_zm).sum(-1, keepdim=True) * tokens) / H  # (1/H) sum_h Z u
     Z = s0 / n
