@@ -18,6 +18,10 @@ import torch
 
 from companion import gradient_flow as gf
 
+# small problems: one intra-op thread (with two, each step's paths go to two worker
+# threads, which on a loaded 2-core machine cost 30x the arithmetic; the numbers are the same)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # Relative to each quantity's largest value over the run (residuals: to the energy's).
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 2e-4}
 FIELDS = ("positions", "weights", "energy", "energy_rate", "slope_sq", "dissipation",
