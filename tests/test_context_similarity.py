@@ -1309,3 +1309,51 @@ def test_similarity_matrices_into_a_kept_buffer_bit_for_bit(dtype, rows):
     if rows:
         with pytest.raises(ValueError, match="out: expected a contiguous"):
             similarity_matrices(z, out=torch.empty_like(buf[:rows]).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_high_attention_instead_of_maps_gives_the_same_statistics(odd_model_dir, dtype):
+    """analyse_batch(attention_threshold=t) keeps, instead of the maps, the bool
+    A >= t ([L, B, H, T, T], equal to the maps' own comparison) with the same outputs and
+    received attention; the statistics (sums and per-window parts, tracked tokens, pre-
+    and post-W_O) equal those from the maps bit for bit, on windows with padding, a short
+    one and an odd batch of 3; a threshold other than the statistics' is refused."""
+    model, tok = load_encoder(str(odd_model_dir), device="cpu", dtype=dtype)
+    wins = _small_windows(tok, length=16)
+    batch = wins[:3].batch()
+    batch["attention_mask"] = batch["attention_mask"].clone()
+    batch["attention_mask"][1, -5:] = 0  # padding in one window
+    batch["sentence_ids"] = batch["sentence_ids"].masked_fill(
+        batch["attention_mask"] == 0, -1)
+    batch["attention_mask"][2, 3:] = 0  # a short window: one content token
+    batch["sentence_ids"][2, 2:] = -1
+    for where in ("pre_wo", "post_wo"):
+        maps = analyse_batch(model, batch, where=where)
+        stacked = torch.stack(maps.attentions, 0)  # [L, B, H, T, T]
+        for t in (0.05, 0.1, 0.3):
+            high = analyse_batch(model, batch, where=where, attention_threshold=t)
+            assert high.attentions is None and high.high_attention[0] == t
+            assert torch.equal(high.high_attention[1], stacked >= t)
+            assert 0 < int(high.high_attention[1].sum()) < stacked.numel()
+            assert torch.equal(high.outputs, maps.outputs)
+            assert torch.equal(high.received_attention, maps.received_attention)
+            config = dict(n_layers=3, n_heads=3, length=16, vocab_size=tok.vocab_size,
+                          attention_threshold=t, percentile=20.0, per_window=True,
+                          separators=cs.separator_ids(tok))
+            tracked = torch.full((3, 3), tok.convert_tokens_to_ids("."))
+            a = SimilarityStats(**config).track_tokens(tracked).update(maps)
+            b = SimilarityStats(**config).track_tokens(tracked).update(high)
+            for name, value in a.tensors().items():
+                assert torch.equal(value, getattr(b, name)), (where, t, name)
+            wa, wb = a.window_sums(), b.window_sums()
+            assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+            other = SimilarityStats(**{**config, "attention_threshold": t / 2})
+            with pytest.raises(ValueError, match="attention_threshold"):
+                other.update(high)
+    with pytest.raises(ValueError, match="received_attention"):
+        SimilarityStats(**config).update(high._replace(received_attention=None))
+    with pytest.raises(ValueError, match="high_attention"):
+        SimilarityStats(**config).update(high._replace(high_attention=None))
+    for bad in (0, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="attention_threshold"):
+            analyse_batch(model, batch, attention_threshold=bad)

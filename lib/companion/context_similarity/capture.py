@@ -303,14 +303,22 @@ class _AttentionMaps:
     queries, ``sum_q content_q A_qk``, is summed while each window's maps are in cache:
     ``received`` ``[L, B, H, T]``. With ``stop_after_last`` the last layer's call ends the
     forward pass once its output is written (:class:`_StopAfterLastAttention`).
+
+    With ``threshold`` the maps are not kept: each window's probabilities go to one
+    ``[H, Tq, Tk]`` scratch buffer (they stay in the core's cache) and ``buffer`` holds
+    only where they reach the threshold, ``A >= threshold`` (bool ``[L, B, H, T, T]``,
+    a quarter of the maps' bytes), written while the window's maps are in cache.
     """
 
     def __init__(self, n_layers: int, workspace: Workspace | None = None,
-                 content: torch.Tensor | None = None, stop_after_last: bool = False):
+                 content: torch.Tensor | None = None, stop_after_last: bool = False,
+                 threshold: float | None = None):
         self.n_layers = n_layers
         self.workspace = workspace
         self.content = content
         self.stop_after_last = stop_after_last
+        self.threshold = threshold
+        self.scratch: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
         self.outputs: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
@@ -320,15 +328,20 @@ class _AttentionMaps:
         return work_buffer(self.workspace, name, math.prod(shape), dtype, device).view(shape)
 
     def next_layer(self, shape, d_value, dtype, device):
-        """The next layer's slices: maps [B, H, Tq, Tk], head outputs [B, H, Tq, d] (a
-        view of the ``[H, B, Tq, d]`` block of ``outputs``) and ``received`` (or None)."""
+        """The next layer's slices: maps [B, H, Tq, Tk] (bool ``A >= threshold`` with a
+        threshold), head outputs [B, H, Tq, d] (a view of the ``[H, B, Tq, d]`` block of
+        ``outputs``) and ``received`` (or None)."""
         if self.calls >= self.n_layers:
             raise RuntimeError(
                 f"model: more attention calls than the {self.n_layers} layers in one pass")
         full = (self.n_layers, *shape)
         bsz, n_heads, t_q, _ = shape
         if self.buffer is None:
-            self.buffer = self._reused("attention_maps", full, dtype, device)
+            if self.threshold is None:
+                self.buffer = self._reused("attention_maps", full, dtype, device)
+            else:
+                self.buffer = self._reused("high_attention", full, torch.bool, device)
+                self.scratch = self._reused("attention_scratch", shape[1:], dtype, device)
             self.outputs = self._reused("head_outputs",
                                         (self.n_layers, n_heads, bsz, t_q, d_value),
                                         dtype, device)
@@ -356,7 +369,8 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
     """Eager attention (as ``transformers``' BERT computes it) writing its maps into a buffer.
 
     ``softmax(scale q k^T + mask) v`` with the probabilities left in the next layer slice of
-    the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward, and
+    the :class:`_AttentionMaps` passed as ``companion_attention_maps=`` to the forward (or,
+    with its ``threshold``, in a scratch buffer, and only ``A >= threshold`` kept), and
     the output (``hook_z``, what ``W_O`` reads once transformers has merged the heads)
     written straight into its ``[H, B, T, d]`` block of head outputs.
     Window by window: one window's maps (``H T^2`` numbers, under a megabyte for BERT
@@ -379,8 +393,9 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
                                           query.dtype, query.device)
     if received is not None:
         content = sink.content.to(query.dtype)[:, None, :]  # [B, 1, Tq]
+    high = sink.threshold
     for w in range(bsz):
-        probs = maps[w]  # [H, Tq, Tk]
+        probs = maps[w] if high is None else sink.scratch  # [H, Tq, Tk]
         torch.baddbmm(probs, query[w], key[w].transpose(1, 2), beta=0, alpha=scaling,
                       out=probs)
         if attention_mask is not None:
@@ -389,8 +404,10 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
         torch.matmul(probs, value[w], out=out[w])
         if received is not None:  # [1, Tq] @ [H, Tq, Tk] -> [H, 1, Tk]
             torch.matmul(content[w], probs, out=received[w].unsqueeze(1))
+        if high is not None:
+            torch.ge(probs, high, out=maps[w])
     sink.after_layer()
-    return out.transpose(1, 2), maps
+    return out.transpose(1, 2), (maps if high is None else None)
 
 
 def _register_attention() -> None:
@@ -436,7 +453,8 @@ def buffered_attention(model):
 @torch.no_grad()
 def _capture(model, tensors, workspace: Workspace | None = None,
              content: torch.Tensor | None = None, return_hidden: bool = False,
-             settings: CaptureSettings = CaptureSettings()):
+             settings: CaptureSettings = CaptureSettings(),
+             attention_threshold: float | None = None):
     """Pre-W_O head outputs [B, L, H, T, d] (every layer's ``hook_z``), the per-layer
     attention maps (``hook_pattern``: the ``[L, B, H, T, T]`` buffer itself) and, with
     ``content`` ([B, T] query weights), the attention each key receives from those
@@ -444,7 +462,9 @@ def _capture(model, tensors, workspace: Workspace | None = None,
     states [B, T, D] (the pass then runs to the end), else None.
 
     The outputs are a view of a ``[L, H, B, T, d]`` tensor; with a ``workspace``, outputs
-    and maps live in buffers kept there and overwritten by the next call.
+    and maps live in buffers kept there and overwritten by the next call. With
+    ``attention_threshold`` the maps are not kept: the second value is instead the bool
+    ``[L, B, H, T, T]`` buffer of ``A >= attention_threshold``.
 
     The model runs once with :func:`_eager_attention_into_buffer` (the eager computation,
     its maps and outputs written into buffers, see :class:`_AttentionMaps`), inside
@@ -455,7 +475,8 @@ def _capture(model, tensors, workspace: Workspace | None = None,
     _check_model(model, tensors["input_ids"].shape[1])
     n_layers, _, _ = _heads(model)
     stop_early = settings.stop_after_last_attention and not return_hidden
-    maps = _AttentionMaps(n_layers, workspace, content, stop_after_last=stop_early)
+    maps = _AttentionMaps(n_layers, workspace, content, stop_after_last=stop_early,
+                          threshold=attention_threshold)
     hidden = None
     inputs = {k: tensors[k] for k in ("input_ids", "attention_mask", "token_type_ids")
               if tensors.get(k) is not None}
@@ -479,7 +500,8 @@ class BatchResult(NamedTuple):
     """What :meth:`SimilarityStats.update` consumes for one batch of windows."""
 
     outputs: torch.Tensor  # [B, L, H, T, d] pre-W_O head outputs
-    attentions: torch.Tensor | tuple  # [B, L, H, T, T] or L tensors [B, H, T, T]
+    # [B, L, H, T, T] or L tensors [B, H, T, T]; None with high_attention (below)
+    attentions: torch.Tensor | tuple | None
     input_ids: torch.Tensor  # [B, T]
     sentence_ids: torch.Tensor  # [B, T], -1 at special tokens / padding
     attention_mask: torch.Tensor  # [B, T]
@@ -487,11 +509,15 @@ class BatchResult(NamedTuple):
     # [B, L, H, T]: attention each key receives from the content queries (sentence id >= 0,
     # not padding), sum_q A_qk; None: computed from the maps
     received_attention: torch.Tensor | None = None
+    # instead of the maps (attentions None): (threshold t, bool [L, B, H, T, T] A >= t),
+    # what the statistics need of them at attention_threshold t (with received_attention)
+    high_attention: tuple[float, torch.Tensor] | None = None
 
 
 def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None = None,
                   workspace: Workspace | None = None,
-                  settings: CaptureSettings = CaptureSettings()) -> BatchResult:
+                  settings: CaptureSettings = CaptureSettings(),
+                  attention_threshold: float | None = None) -> BatchResult:
     """Head outputs and attention maps of one batch, ready for :meth:`SimilarityStats.update`.
 
     ``batch`` is what :func:`head_outputs` takes (a Mapping such as a dict or a
@@ -502,20 +528,36 @@ def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None
     so the statistics use the post-W_O similarities. With a :class:`Workspace` the
     attention maps live in a buffer kept there and reused by the next call with the same
     workspace (which overwrites them): consume the result before the next call.
+
+    ``attention_threshold``: keep, instead of the maps, only where they reach it (the
+    result's ``attentions`` is then None and ``high_attention`` is ``(threshold, bool
+    [L, B, H, T, T] A >= threshold)``): all that :class:`SimilarityStats` with that
+    ``attention_threshold`` reads of them (``max(A_ij, A_ji) >= t`` is ``A_ij >= t or
+    A_ji >= t``; the attention on separators comes from ``received_attention``), written
+    while each window's maps are in cache, a quarter of their bytes. None: the maps.
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
+    if attention_threshold is not None and (
+            isinstance(attention_threshold, bool)
+            or not isinstance(attention_threshold, (int, float))
+            or not 0 < attention_threshold <= 1):
+        raise ValueError("attention_threshold: expected None or a probability in (0, 1], "
+                         f"got {attention_threshold!r}")
     tensors = _batch_tensors(batch, model)
     if tensors.get("sentence_ids") is None:
         raise ValueError("batch: expected 'sentence_ids' [B, T] (-1 at special tokens and "
                          "padding), as companion.corpora.windows makes; add them to a "
                          "tokenizer's output")
     content = tensors["attention_mask"].bool() & (tensors["sentence_ids"] >= 0)
-    z, maps, received, _ = _capture(model, tensors, workspace, content, settings=settings)
-    attentions = tuple(maps.unbind(0))
+    z, maps, received, _ = _capture(model, tensors, workspace, content, settings=settings,
+                                    attention_threshold=attention_threshold)
+    attentions, high = tuple(maps.unbind(0)), None
+    if attention_threshold is not None:
+        attentions, high = None, (float(attention_threshold), maps)
     metric = None
     if where == "post_wo":
         metric = gram if gram is not None else wo_gram(model)
     return BatchResult(z, attentions, tensors["input_ids"], tensors["sentence_ids"],
-                       tensors["attention_mask"], metric, received)
+                       tensors["attention_mask"], metric, received, high)
 

@@ -232,8 +232,10 @@ def analyse_corpus(
         k = mine[position]
         part = windows[k * batch_size:(k + 1) * batch_size]
         batch = {name: t.to(model_device) for name, t in part.batch().items()}
+        # only A >= attention_threshold of the maps (all the statistics read of them)
         result = analyse_batch(model, batch, where=wheres[0], gram=metrics[0],
-                               workspace=workspace, settings=settings)
+                               workspace=workspace, settings=settings,
+                               attention_threshold=attention_threshold)
         # one forward pass, one update per where
         return len(part), [result._replace(metric=metric) for metric in metrics]
 

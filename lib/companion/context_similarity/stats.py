@@ -233,6 +233,12 @@ class PairBatch:
         window_head = (torch.arange(b, device=dev)[:, None, None] * n_h
                        + torch.arange(n_h, device=dev)[None, :, None]) * (t * t)  # [B, H, 1]
         i, j = self.i, self.j
+        if self.layers is None:  # only A >= threshold kept: either entry reaching it
+            high = self.result.high_attention[1].to(dev)  # [L, B, H, T, T]
+            return torch.stack([
+                a.reshape(-1).take(window_head + i[:, layer] * t + j[:, layer])
+                | a.reshape(-1).take(window_head + j[:, layer] * t + i[:, layer])
+                for layer, a in enumerate(high.unbind(0))], dim=1)  # [B, L, H, k_max]
         att = torch.stack([
             torch.maximum(a.reshape(-1).take(window_head + i[:, layer] * t + j[:, layer]),
                           a.reshape(-1).take(window_head + j[:, layer] * t + i[:, layer]))
@@ -866,8 +872,13 @@ class SimilarityStats:
                 f"batch_result.outputs: expected [B, {n_l}, {n_h}, {t_len}, d], got {got}")
         b = z.shape[0]
         attn = batch_result.attentions
-        layers = list(attn.unbind(1)) if isinstance(attn, torch.Tensor) else list(attn)
-        if len(layers) != n_l or any(tuple(a.shape) != (b, n_h, t_len, t_len) for a in layers):
+        if attn is None:
+            layers = None
+            self._validate_high_attention(batch_result, b)
+        else:
+            layers = list(attn.unbind(1)) if isinstance(attn, torch.Tensor) else list(attn)
+        if layers is not None and (len(layers) != n_l or any(
+                tuple(a.shape) != (b, n_h, t_len, t_len) for a in layers)):
             raise ValueError(
                 "batch_result.attentions: expected [B, L, H, T, T] or L tensors [B, H, T, T] "
                 f"with B={b}, L={n_l}, H={n_h}, T={t_len}")
@@ -888,6 +899,25 @@ class SimilarityStats:
             raise ValueError(
                 f"batch_result.input_ids: token ids must lie in [0, {self.vocab_size})")
         return layers
+
+    def _validate_high_attention(self, batch_result, b):
+        """Without maps: ``high_attention`` at this ``attention_threshold`` and
+        ``received_attention`` must be there (all that is read of the maps)."""
+        high = batch_result.high_attention
+        want = (self.n_layers, b, self.n_heads, self.length, self.length)
+        if (not isinstance(high, tuple) or len(high) != 2
+                or not isinstance(high[1], torch.Tensor) or high[1].dtype != torch.bool
+                or tuple(high[1].shape) != want):
+            raise ValueError("batch_result.attentions: None needs high_attention (threshold, "
+                             f"bool tensor {want} [L, B, H, T, T]), got "
+                             f"{type(high).__name__}")
+        if high[0] != self.attention_threshold:
+            raise ValueError(f"batch_result.high_attention: at threshold {high[0]}, the "
+                             f"statistics' attention_threshold is {self.attention_threshold}"
+                             " (analyse_batch(attention_threshold=) must match, or keep the "
+                             "maps)")
+        if batch_result.received_attention is None:
+            raise ValueError("batch_result.attentions: None needs received_attention")
 
 
     @torch.no_grad()
