@@ -12,6 +12,9 @@ Also the machine's limit for the step: its work (``P H n^2 d`` multiply-adds for
 ``P H n^2`` exponentials, about 120 M and 40 M here) at this core's measured float64 GEMM rate
 and vectorised ``exp2`` rate, and the fraction of that limit our step reaches.
 
+Also where one step's time goes: self CPU time per torch operator of a warm step at 1 thread
+(torch.profiler), with the number of calls per step.
+
 Writes benchmarks/results/gradient_flow.json and .md.
 """
 from __future__ import annotations
@@ -125,6 +128,35 @@ def machine_limit(n, H, P, d=3, reps=5):
     }
 
 
+def step_profile(x, D, steps=3, top=8):
+    """Self CPU milliseconds and calls per step of each torch operator in a warm
+    paper-setting step (the call simulate makes every step: drift, noise, 1 thread), the
+    ``top`` largest, plus the profiled step's total and its count of operator calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from companion.gradient_flow.kernels import _Scratch, _step
+
+    proc = gf.OrnsteinUhlenbeck()
+    f = proc.drift(D, 0.0)
+    z = torch.randn(D.shape, dtype=D.dtype, generator=torch.Generator().manual_seed(3))
+    dW = 5e-3**0.5 * (z + z.transpose(-1, -2)) / 2
+    scratch = _Scratch()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _step(x, D, -1, f, proc.sigma, dW, scratch)  # plans and buffers made once
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                _step(x, D, -1, f, proc.sigma, dW, scratch)
+    finally:
+        torch.set_num_threads(before)
+    ops = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "calls_per_step": e.count / steps} for e in prof.key_averages()]
+    ops.sort(key=lambda o: -o["self_ms_per_step"])
+    return {"total_ms_per_step": sum(o["self_ms_per_step"] for o in ops),
+            "calls_per_step": sum(o["calls_per_step"] for o in ops), "ops": ops[:top]}
+
+
 def peak_memory_mb(kind, n, H, P):
     """Peak resident memory increase (MB) of one step, measured in a fresh interpreter.
 
@@ -234,6 +266,7 @@ def main():
             row["dense_PHn2_mb"] = P * H * nn * nn * 8 / 2**20
             memory.append(row)
 
+    profile_1 = step_profile(x, D)
     ours_1 = speed[1]["ours_cpu_s_per_step"] if 1 in speed else None
     limit["fraction_of_limit_1_thread"] = (limit["limit_s_per_step"] / ours_1
                                            if ours_1 else None)
@@ -254,6 +287,7 @@ def main():
         "simulate_many": many,
         "memory": memory,
         "machine_limit": limit,
+        "step_profile_1_thread": profile_1,
         "quick": args.quick,
     }
     lines = [
@@ -288,6 +322,12 @@ def main():
         "one regime): "
         f"ours {paper_ours / 60:.1f} min, baseline {paper_base / 60:.1f} min (projected).",
     ]
+    lines += ["", f"Where one step's time goes (torch.profiler, 1 thread, "
+              f"{profile_1['total_ms_per_step']:.1f} ms of self CPU time per profiled step, "
+              f"{profile_1['calls_per_step']:.0f} operator calls):", "",
+              "| operator | self CPU ms per step | calls per step |", "|---|---|---|",
+              *[f"| {o['op']} | {o['self_ms_per_step']:.1f} | {o['calls_per_step']:.0f} |"
+                for o in profile_1["ops"]]]
     if many:
         lines += ["", f"gf.simulate_many, one paper-setting run (H = 100, {many['steps']} steps) "
                   f"on {many['workers']} processes: {many['total_s']:.1f} s (on workers kept "
