@@ -902,14 +902,19 @@ def test_pair_counts_as_floats_equal_the_int64_counts(dtype, cpu_poisson):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize("duplicates, self_loops, padded",
-                         [("keep", False, False), ("merge", False, True), ("keep", True, True)])
+@pytest.mark.parametrize("duplicates, self_loops, padded, loss_uses",
+                         [("keep", False, False, "both"), ("merge", False, True, "both"),
+                          ("keep", True, True, "both"), ("keep", False, True, "output"),
+                          ("merge", True, False, "density")])
 def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplicates,
-                                                                  self_loops, padded):
+                                                                  self_loops, padded,
+                                                                  loss_uses):
     """The pair-grid forward with the counts drawn as float weights gives the outputs,
-    densities and every gradient of the former path (int64 counts converted) bit for
-    bit; its absent-pair bias ``(min(w, 1) - 1) 1e30`` equals the masked_fill bias of
-    042a95f..3483a16 (``-1e30`` where ``w = 0``, ``+0`` elsewhere)."""
+    densities and every gradient of the former path (int64 counts converted; the
+    straight-through counts, the count attention and the density's sum as three autograd
+    nodes, not the layer's one) bit for bit, whether the loss reads the output, the
+    density or both; its absent-pair bias ``(min(w, 1) - 1) 1e30`` equals the
+    masked_fill bias of 042a95f..3483a16 (``-1e30`` where ``w = 0``, ``+0`` elsewhere)."""
     from companion.sbm.fastrg import use_pair_grid as pair_grid
     from companion.sbm.layer import _CountAttention, _DenseStraightThrough
 
@@ -962,8 +967,11 @@ def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplica
     for run in (former, now):
         out, density = run()
         params = [q, k, v, *layer.parameters()]
-        grads = torch.autograd.grad((out * torch.linspace(-1, 1, d, dtype=dtype)).sum()
-                                    + 10 * density.sum(), params)
+        loss = {"output": (out * torch.linspace(-1, 1, d, dtype=dtype)).sum(),
+                "density": 10 * density.sum()}
+        loss["both"] = loss["output"] + loss["density"]
+        grads = torch.autograd.grad(loss[loss_uses], params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         results.append((out, density, grads))
     (out0, dens0, grads0), (out1, dens1, grads1) = results
     assert torch.equal(out0, out1) and torch.equal(dens0, dens1)
