@@ -41,9 +41,9 @@ _SHARED_WORKSPACES: dict[str, Workspace] = {}
 
 
 def clear_workspaces() -> None:
-    """Free the work buffers :func:`analyse_corpus` keeps between calls (about
-    ``12 L H B T^2`` bytes per device and lane in float32, ~180 MB for MiniLM, batches
-    of 16).
+    """Free the work buffers :func:`analyse_corpus` keeps between calls (the bool map of
+    ``A >= attention_threshold``, ``L H B T^2`` bytes, the head outputs and the
+    similarity buffers: about 60 MB per device for MiniLM in float32, batches of 16).
 
     >>> clear_workspaces()
     """
@@ -141,10 +141,11 @@ def analyse_corpus(
     Complexity
     ----------
     One forward pass per window plus O(L H T^2) per window for the statistics. Memory:
-    work buffers of about ``12 L H B T^2`` bytes (float32) per lane, lane 0's kept between
-    calls on each device (:func:`clear_workspaces` frees them), the other lanes' freed
-    when the call returns; not for concurrent calls from
-    threads (the lanes are this call's own).
+    work buffers of about 60 MB per lane (MiniLM, float32, batches of 16: the attention
+    maps are not kept, only ``A >= attention_threshold``, ``L H B T^2`` bytes), lane 0's
+    kept between calls on each device (:func:`clear_workspaces` frees them), the other
+    lanes' freed when the call returns; not for concurrent calls from threads (the lanes
+    are this call's own).
     """
     from companion.corpora import Windows
 
