@@ -189,6 +189,30 @@ def _window_sums_reference(res, percentile, tracked):
                                      stats_module.SHORT_RANGE, stats_module.LONG_RANGE)
 
 
+def _without_maps(res):
+    """The batch as the corpus pass hands it over: no maps, only A >= 0.08 ([L, B, H,
+    T, T] bool) and the attention keys receive from content queries."""
+    content = (res.attention_mask.bool() & (res.sentence_ids >= 0)).to(res.attentions.dtype)
+    received = torch.einsum("bq,blhqk->blhk", content, res.attentions)
+    high = (0.08, (res.attentions >= 0.08).permute(1, 0, 2, 3, 4).contiguous())
+    return res._replace(attentions=None, received_attention=received, high_attention=high)
+
+
+def _stats_high_attention_fast(res, percentile, tracked):
+    _, n_l, n_h, t, _ = res.outputs.shape
+    stats = SimilarityStats(n_l, n_h, t, VOCAB, percentile=percentile,
+                            attention_threshold=0.08, separators=SEPARATORS, per_window=True,
+                            device=res.outputs.device).track_tokens(tracked)
+    stats.update(_without_maps(res))
+    return ({name: value.double().cpu() for name, value in stats.tensors().items()},
+            {name: value.cpu() for name, value in stats.window_sums().items()})
+
+
+def _stats_high_attention_reference(res, percentile, tracked):
+    return (_stats_reference(res, percentile, tracked),
+            _window_sums_reference(res, percentile, tracked))
+
+
 # ------------------------------------------------------------------ capture
 
 
@@ -235,6 +259,9 @@ PAIRS = [
          sizes=("t20", "t13-mixed", "t17-mixed-metric-p5", "t2"), tolerances=LOOSE),
     Pair("context_similarity.window_sums", _window_sums_fast, _window_sums_reference,
          _make_batch, sizes=("t13-mixed-p50", "t40-p5"), tolerances=LOOSE),
+    Pair("context_similarity.stats_high_attention", _stats_high_attention_fast,
+         _stats_high_attention_reference, _make_batch,
+         sizes=("t13-mixed", "t17-mixed-metric-p5", "t20-p50"), tolerances=LOOSE),
     Pair("context_similarity.capture", _capture_fast, _capture_reference, _make_capture,
          sizes=("b2-t7", "b1-t2", "b3-t13")),
 ]
