@@ -226,6 +226,51 @@ def test_nested_guard_raises_a_signal_recorded_before_it():
         interrupts._INTERRUPT.signum = None
 
 
+def test_an_interrupt_waits_for_papermills_thread_to_end(monkeypatch, tmp_path):
+    """The interrupt lands while the main thread waits for papermill's thread, as a Ctrl-C
+    does: the runner kills the kernel and returns only once that thread has ended, so its
+    last write (the output notebook) cannot land in a staging folder being removed. On
+    Python 3.11 an interrupted Thread.join marks a running thread as stopped, and waiting
+    with join made such a run leave ``.staging/<run>/<chapter>.ipynb`` behind."""
+    import threading
+
+    import papermill
+
+    from companion.book import interrupts
+
+    kernel_killed = threading.Event()
+    papermill_ended = threading.Event()
+
+    class Tracker:  # stands for runner._KernelTracker: no kernel is started
+        peak_bytes = 0
+
+        def manager_class(self):
+            return None
+
+        def sample_memory(self):
+            pass
+
+        def stop(self):
+            kernel_killed.set()
+
+    def execute_notebook(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # handled in the main thread, which waits
+        assert kernel_killed.wait(SAFETY_DEADLINE), "the runner kills the kernel"
+        sum(range(3_000_000))  # papermill's work after the kernel's death (its last write)
+        papermill_ended.set()
+
+    monkeypatch.setattr(runner, "_KernelTracker", Tracker)
+    monkeypatch.setattr(papermill, "execute_notebook", execute_notebook)
+    try:
+        with pytest.raises(runner.RunInterrupted):
+            with runner.interrupt_guard():
+                runner._execute_notebook(tmp_path / "in.ipynb", tmp_path / "out.ipynb",
+                                         tmp_path / "run.log", {}, tmp_path, timeout=60)
+        assert papermill_ended.is_set(), "returned while papermill's thread still ran"
+    finally:
+        interrupts._INTERRUPT.signum = None
+
+
 def test_interrupt_during_publishing_publishes_everything(interrupt_project, tmp_path):
     """A signal while publishing is taken once publishing has finished: all new, exit 130."""
     p = interrupt_project

@@ -858,6 +858,13 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
             progress.chapter_cell = (None if "injected-parameters" in _tags(cell) else
                                      _chapter_cell_number(cell_index, parameters_cell))
 
+    # The worker says it has ended through this event, never through Thread.join or
+    # is_alive: on Python 3.11 a KeyboardInterrupt raised inside join() marks a thread
+    # that is still running as stopped (threading's bpo-45274 handler releases the lock
+    # the running thread holds), so a second join returned at once and the staging folder
+    # was removed while papermill still wrote the output notebook into it.
+    ended = threading.Event()
+
     def work() -> None:
         try:
             with open(log_path, "w") as log:
@@ -871,25 +878,28 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
                 )
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread as it is
             outcome.error = exc
+        finally:
+            ended.set()
 
     worker = threading.Thread(target=work, name="papermill", daemon=True)
     try:
         worker.start()
         next_report = time.monotonic() + period
-        while worker.is_alive():
-            worker.join(timeout=min(0.5, period))
+        while not ended.wait(timeout=min(0.5, period)):
             tracker.sample_memory()
             outcome.peak_bytes = tracker.peak_bytes
-            if progress is not None and echo is not None and worker.is_alive() and (
+            if progress is not None and echo is not None and (
                     time.monotonic() >= next_report):
                 echo(progress_line(progress))
                 next_report = time.monotonic() + period
+        tracker.sample_memory()
+        outcome.peak_bytes = tracker.peak_bytes
         raise_if_interrupted()
     except KeyboardInterrupt:
         with signals_deferred():
             tracker.stop()
             # Safety net only: the worker ends within seconds of the kernel's death.
-            worker.join(timeout=120)
+            ended.wait(timeout=WORKER_END_LIMIT_S)
         raise
     return outcome
 
@@ -900,6 +910,9 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
 # from the page, on a busy machine. Past them the chapter fails; nothing is dropped.
 KERNEL_START_LIMIT_S = 600
 OUTPUT_WAIT_LIMIT_S = 300
+# ... and papermill's end after the kernel was killed on an interrupt (it notices the dead
+# kernel within a second or two and writes the output notebook).
+WORKER_END_LIMIT_S = 300
 
 
 def _execution_error(outcome: _Execution, parameters_cell: int, timeout: float) -> str | None:
