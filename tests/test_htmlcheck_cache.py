@@ -9,7 +9,9 @@ the file it links to.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -37,6 +39,15 @@ def _build(tmp_path: Path) -> Path:
                       ("book/a.pdf", "pdf")):
         (html / rel).parent.mkdir(parents=True, exist_ok=True)
         (html / rel).write_text(data)
+    return _built_a_while_ago(html)
+
+
+def _built_a_while_ago(html: Path) -> Path:
+    """Files stamped a minute back: a check that starts now tells them from files written
+    during it (it counts anything stamped less than CLOCK_MARGIN_S before its start)."""
+    for path in html.rglob("*"):
+        st = path.stat()
+        os.utime(path, (st.st_atime - 60, st.st_mtime - 60))
     return html
 
 
@@ -50,6 +61,8 @@ class FakeBrowser:
         self.failing: dict[str, str] = {}
         self.interrupt = False
         self.rewrite: dict[str, str] = {}  # files of the build rewritten during the check
+        self.stamped_behind = 0.0  # ... stamped this much before now (a coarse file clock)
+        self.remove: list[str] = []  # files of the build removed during the check
         self.chromium = chromium
         monkeypatch.setattr(htmlcheck, "find_browser", lambda: ("chromium", "chromedriver"))
         monkeypatch.setattr(hc, "tool_versions", lambda b, d: {"chromium": self.chromium})
@@ -60,6 +73,11 @@ class FakeBrowser:
         self.opened.append(list(pages))
         for rel, text in self.rewrite.items():
             (build_dir / rel).write_text(text)
+            if self.stamped_behind:
+                stamp = time.time() - self.stamped_behind
+                os.utime(build_dir / rel, (stamp, stamp))
+        for rel in self.remove:
+            (build_dir / rel).unlink()
         results = []
         for i, page in enumerate(pages):
             if self.interrupt and i == 1:
@@ -193,6 +211,30 @@ def test_a_file_rewritten_during_the_check_is_not_recorded(tmp_path, monkeypatch
     assert set(stored) == {"html/index.html", "html/book/b.html"}
 
 
+def test_a_rewrite_stamped_by_a_coarse_file_clock_is_not_recorded(tmp_path, monkeypatch):
+    """Linux before 6.13 stamps a file up to a timer tick behind time.time(): a rewrite
+    just after the check started may carry an mtime a few ms before that start."""
+    html, fake = _build(tmp_path), FakeBrowser(monkeypatch)
+    fake.rewrite, fake.stamped_behind = {"_images/a.png": "rewritten"}, 0.02
+    report = _check(html)
+    assert report.ok and "book/a.html changed while it was checked" in report.summary()
+    assert "html/book/a.html" not in json.loads(hc.cache_file(html).read_text())["pages"]
+
+
+def test_a_linked_file_removed_during_the_check_is_not_recorded(tmp_path, monkeypatch):
+    """The check saw the link's target; a key with it "missing" would later pass the page
+    unopened with a broken link."""
+    html, fake = _build(tmp_path), FakeBrowser(monkeypatch)
+    fake.remove = ["book/a.pdf"]
+    report = _check(html)
+    assert report.ok and "book/a.html: ['book/a.pdf'] not there now" in report.summary()
+    stored = json.loads(hc.cache_file(html).read_text())["pages"]
+    assert set(stored) == {"html/index.html", "html/book/b.html"}
+    fake.remove = []
+    _check(html)
+    assert fake.opened[-1] == ["book/a.html"], "opened again, where its broken link shows"
+
+
 def test_an_interrupted_check_records_nothing(tmp_path, monkeypatch):
     html, fake = _build(tmp_path), FakeBrowser(monkeypatch)
     fake.interrupt = True
@@ -244,6 +286,7 @@ def test_cli_check_html_uses_the_cache_and_force(demo_project, monkeypatch, caps
     for page in pages + ["index.html"]:
         (html / page).parent.mkdir(parents=True, exist_ok=True)
         (html / page).write_text(f"<p>{page}</p>")
+    _built_a_while_ago(html)
     root = ["--root", str(demo_project.root)]
     assert main(["check-html", *root]) == 0
     assert main(["check-html", *root]) == 0
@@ -284,6 +327,7 @@ def test_the_browser_check_records_every_file_a_page_loads_and_links(tmp_path):
         '<html><head><link rel="stylesheet" href="s/style.css"><link rel="icon" '
         'href="data:,"></head><body><p>One page.</p><img src="a.png" alt="a"><a '
         'href="doc.pdf">doc</a></body></html>')
+    _built_a_while_ago(html)
     report = check_book(None, html, pages=["page.html"], screenshots=False,
                         cache=hc.cache_file(html))
     assert report.ok, report.summary()

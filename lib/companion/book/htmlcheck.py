@@ -770,7 +770,7 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
     if store is not None:  # the pages' bytes as they were when checked
         states = hc.FileStates(build_dir)
         before = {p: states.content(p) for p in to_open}
-    started = time.time()
+    started = time.time() - hc.CLOCK_MARGIN_S
     reads: dict[str, hc.PageReads] = {}
     opened = {}
     if to_open:
@@ -803,6 +803,11 @@ def check_book(project, build_dir: Path, pages: list[str] | None = None, *,
                     read.loaded | read.linked, started):
                 notes.append(f"check-html: {page} changed while it was checked: its pass "
                              "is not recorded")
+            elif missing := states.missing(read.loaded | read.linked):
+                # a pass read them, so they were there: removed during the check (a key
+                # with them "missing" would pass a page whose links are now broken)
+                notes.append(f"check-html: {page}: {missing[:2]} not there now (removed "
+                             "while it was checked?): its pass is not recorded")
             else:
                 store.record(page, states.of(read.loaded | {page}, read.linked),
                              res.images, res.math, res.screenshots, checked)

@@ -208,12 +208,22 @@ class FileStates:
                 continue
         return False
 
+    def missing(self, rels) -> list[str]:
+        """The files of ``rels`` that are not there now (sorted)."""
+        return sorted(rel for rel in set(rels) if self.content(rel) == "missing")
+
     def of(self, loaded, linked) -> dict[str, dict[str, str]]:
         """The states of ``loaded`` (content) and ``linked`` (existence) files, sorted;
         a file both loaded and linked counts by its content."""
         loaded = sorted(set(loaded))
         return {"loaded": {rel: self.content(rel) for rel in loaded},
                 "linked": {rel: self.exists(rel) for rel in sorted(set(linked) - set(loaded))}}
+
+
+# How far before a check's start a file's mtime may lie and still count as written during
+# it: Linux before 6.13 stamps files from a clock up to a timer tick (10 ms at HZ = 100)
+# behind time.time(), so a file rewritten just after the start could look older.
+CLOCK_MARGIN_S = 0.1
 
 
 def page_key(fingerprint: str, page: str, reads: dict[str, dict[str, str]]) -> str:
