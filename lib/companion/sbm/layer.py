@@ -68,12 +68,6 @@ def sbm_parameters(
     >>> qm.shape, s.shape, km.shape, round(float(s.sum()), 6)
     (torch.Size([5, 3]), torch.Size([3, 3]), torch.Size([7, 3]), 1.0)
     """
-    _check_parameter_inputs(q, k, cluster_embeddings, mlp)
-    return _sbm_parameters(q, k, cluster_embeddings, mlp)
-
-
-def _check_parameter_inputs(q, k, cluster_embeddings, mlp) -> None:
-    """:func:`sbm_parameters`'s checks of its inputs."""
     for name, t in (("q", q), ("k", k), ("cluster_embeddings", cluster_embeddings)):
         check_tensor(name, t, floating=True)
     if not callable(mlp):
@@ -106,30 +100,15 @@ def _check_parameter_inputs(q, k, cluster_embeddings, mlp) -> None:
     else:
         raise ValueError(f"cluster_embeddings: expected [k, d] or [H, k, d], got {tuple(c.shape)}")
 
-
-def _sbm_parameters(q, k, c, mlp, qk=None):
-    """:func:`sbm_parameters` on checked inputs; ``qk``: ``torch.stack((q, k))`` when the
-    caller has it (``q`` and ``k`` its two halves)."""
     ct = c.transpose(-1, -2)
-    if qk is not None or q.shape == k.shape:
-        # queries and keys through the shared MLP and C^T together: one GEMM each for
-        # both (one stacked copy), not two
-        qk = torch.stack((q, k)) if qk is None else qk
-        q_membership, k_membership = _memberships(qk, ct, mlp).unbind(0)
-    else:
-        q_membership = _memberships(q, ct, mlp)
-        k_membership = _memberships(k, ct, mlp)
+    q_membership = torch.sigmoid(mlp(q) @ ct)
+    k_membership = torch.sigmoid(mlp(k) @ ct)
     gram = c @ ct
     s = torch.softmax(gram.flatten(-2), dim=-1).reshape(gram.shape)
     if q.dim() == 4 and s.dim() == 2:
         s = s.expand(q.shape[1], *s.shape)
     return q_membership, s, k_membership
 
-
-def _memberships(x: torch.Tensor, ct: torch.Tensor, mlp) -> torch.Tensor:
-    """``sigmoid(mlp(x) C^T)`` for ``x`` ``[..., n, d]`` and ``ct = C^T`` (``[d, k]``
-    or ``[H, d, k]`` against ``x``'s head axis, the third from the end)."""
-    return torch.sigmoid(mlp(x) @ ct)
 
 
 # ---------------------------------------------------------------------------------------
@@ -399,14 +378,9 @@ class SBMAttention(nn.Module):
                 f"q: expected [B, {self.num_heads}, n, {self.head_dim}], got {tuple(q.shape)}"
             )
         # one contiguous copy each (views of a fused projection otherwise copied twice:
-        # by the MLP's GEMM and by the attention's [G, n, d] reshape); q and k as the two
-        # halves of one stacked copy, which the shared MLP takes in one pass
-        _check_parameter_inputs(q, k, self.cluster_embeddings, self.mlp)
-        qk = torch.stack((q, k)) if q.shape == k.shape else None
-        q, k = (q.contiguous(), k.contiguous()) if qk is None else qk.unbind(0)
-        v = v.contiguous()
-        q_membership, s, k_membership = _sbm_parameters(q, k, self.cluster_embeddings,
-                                                        self.mlp, qk)
+        # by the MLP's GEMM and by the attention's [G, n, d] reshape)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q_membership, s, k_membership = sbm_parameters(q, k, self.cluster_embeddings, self.mlp)
         valid_counts = []
         for name, mask, length in (
             ("query_valid", query_valid, q.shape[2]),
