@@ -247,10 +247,12 @@ class _PairGridAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_sums):
         qs, km, *saved = ctx.saved_tensors
         counts = saved[3]
-        if grad_out is None:
-            grad_out = torch.zeros(saved[6].shape, dtype=ctx.dtypes[0], device=qs.device)
-        grad_q, grad_k, grad_v, grad_w, _ = _count_attention_backward(
-            saved, grad_out, ctx.scale, ctx.dtypes)
+        if grad_out is None:  # the loss reads only the density: q, k, v get no gradient
+            grad_q = grad_k = grad_v = None  # (as from the former separate attention node)
+            grad_w = torch.zeros(counts.shape, dtype=saved[4].dtype, device=qs.device)
+        else:
+            grad_q, grad_k, grad_v, grad_w, _ = _count_attention_backward(
+                saved, grad_out, ctx.scale, ctx.dtypes)
         if grad_sums is not None:
             grad_w.add_(grad_sums[:, None, None])
         # straight-through: grad_P = counts * hardtanh(grad_counts)
