@@ -210,7 +210,7 @@ class FileStates:
 
     def missing(self, rels) -> list[str]:
         """The files of ``rels`` that are not there now (sorted)."""
-        return sorted(rel for rel in set(rels) if self.content(rel) == "missing")
+        return sorted(rel for rel in set(rels) if not (self.build_dir / rel).exists())
 
     def of(self, loaded, linked) -> dict[str, dict[str, str]]:
         """The states of ``loaded`` (content) and ``linked`` (existence) files, sorted;

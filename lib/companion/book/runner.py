@@ -885,15 +885,16 @@ def _execute_notebook(input_nb: Path, output_nb: Path, log_path: Path, params: d
     try:
         worker.start()
         next_report = time.monotonic() + period
-        while not ended.wait(timeout=min(0.5, period)):
-            tracker.sample_memory()
+        while True:
+            finished = ended.wait(timeout=min(0.5, period))
+            tracker.sample_memory()  # once more after the end, as the peak may be there
             outcome.peak_bytes = tracker.peak_bytes
+            if finished:
+                break
             if progress is not None and echo is not None and (
                     time.monotonic() >= next_report):
                 echo(progress_line(progress))
                 next_report = time.monotonic() + period
-        tracker.sample_memory()
-        outcome.peak_bytes = tracker.peak_bytes
         raise_if_interrupted()
     except KeyboardInterrupt:
         with signals_deferred():
