@@ -694,14 +694,34 @@ def test_simulate_many_on_two_processes_equals_one_simulate_per_run():
         assert torch.equal(ga.get_state(), gb.get_state())
 
 
-def _alive(pid):
+def _identity(pid):
+    """``(pid, start time)``: a process, told apart from a later one given the same pid
+    (the start time in clock ticks since boot, field 22 of ``/proc/<pid>/stat``; None
+    where there is no ``/proc``, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return pid, f.read().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return pid, None
+    except OSError:  # no /proc on this system
+        return pid, None
+
+
+def _identities(pids):
+    return [_identity(pid) for pid in pids]
+
+
+def _alive(identity):
+    """Whether the process ``identity`` (from :func:`_identity`) still exists; a reused
+    pid belongs to another process and does not count."""
     import os
 
+    pid, started = identity
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    return started is None or _identity(pid)[1] == started
 
 
 def _small_run(seed=3):
@@ -733,16 +753,18 @@ def test_simulate_many_keeps_its_workers_and_replaces_a_stopped_pool():
         os.kill(pid, signal.SIGINT)  # ignored by the workers
     second = gf.simulate_many([run, run], workers=2)
     assert gf.worker_pids() == pids
+    first_pool = _identities(pids)
     gf.stop_workers()
-    assert gf.worker_pids() == [] and not any(_alive(pid) for pid in pids)
+    assert gf.worker_pids() == [] and not any(_alive(w) for w in first_pool)
     gf.stop_workers()  # nothing running: nothing to do
     assert gf.start_workers(2) == 2  # a fresh pool, started ahead of the call
     started = gf.worker_pids()
-    assert len(started) == 2 and not set(started) & set(pids)
+    second_pool = _identities(started)
+    assert len(started) == 2 and not set(second_pool) & set(first_pool)
     third = gf.simulate_many([run], workers=2)[0]
     assert gf.worker_pids() == started
     gf.start_workers(3)  # the pool of 2 is stopped
-    assert len(gf.worker_pids()) == 3 and not any(_alive(pid) for pid in started)
+    assert len(gf.worker_pids()) == 3 and not any(_alive(w) for w in second_pool)
     fourth = gf.simulate_many([run], workers=3)[0]  # more workers than paths
     gf.stop_workers()
     for other in (second[0], second[1], third, fourth):
@@ -787,9 +809,11 @@ def test_simulate_many_replaces_a_broken_pool(monkeypatch):
     run = _small_run()
     gf.simulate_many([run], workers=2)
     pids = gf.worker_pids()
+    old_pool = _identities(pids)  # before the kill: a pid may be reused after it
     _kill_and_wait(pids[0])
     result = gf.simulate_many([run], workers=2)[0]
-    assert len(gf.worker_pids()) == 2 and not set(gf.worker_pids()) & set(pids)
+    new_pool = _identities(gf.worker_pids())
+    assert len(new_pool) == 2 and not set(new_pool) & set(old_pool)
     _assert_same_trajectory(gf.simulate(**run), result)
 
     real_healthy_pool = gf.simulation._healthy_pool
@@ -859,7 +883,7 @@ def test_simulate_many_interrupted_returns_with_its_workers_stopped(monkeypatch)
 
     run = _small_run()
     gf.simulate_many([run], workers=2)  # the workers ready
-    pids = gf.worker_pids()
+    pool = _identities(gf.worker_pids())
     slow = {**run, "T": 1e4, "dt": 1e-3, "record_every": 10**7, "record_positions": False}
     real_result = Future.result
     waits = []
@@ -883,7 +907,7 @@ def test_simulate_many_interrupted_returns_with_its_workers_stopped(monkeypatch)
     monkeypatch.setattr(Future, "result", real_result)
     assert not caller.is_alive(), "simulate_many did not return after the interrupt"
     assert outcome == ["interrupted"] and waits
-    assert gf.worker_pids() == [] and not any(_alive(pid) for pid in pids)
+    assert gf.worker_pids() == [] and not any(_alive(w) for w in pool)
     _assert_same_trajectory(gf.simulate(**run), gf.simulate_many([run], workers=2)[0])
     gf.stop_workers()
 
