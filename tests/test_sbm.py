@@ -1004,3 +1004,96 @@ def test_sbm_parameters_on_projection_views_equal_contiguous_copies(dtype):
         results.append((qm, s, km, *grads))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1, 1), (2, 0, 3), (4, 13, 2)])
+def test_transposed_copy_equals_torch_transpose_contiguous(dtype, shape):
+    """transposed_copy (numpy's strided copy on CPU) is ``x.transpose(1, 2).contiguous()``
+    bit for bit, from contiguous and strided inputs (odd and empty sizes; float16 takes
+    torch's copy), contiguous itself, and without grad for an input that requires it."""
+    from companion.sbm.fastrg import transposed_copy
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=g, dtype=F64).to(dtype)
+    strided = torch.randn(shape[2], shape[0], shape[1], generator=g,
+                          dtype=F64).to(dtype).permute(1, 2, 0)
+    for t in (x, strided, x.clone().requires_grad_(dtype != torch.float16)):
+        got = transposed_copy(t)
+        want = t.detach().transpose(1, 2).contiguous()
+        assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want) and not got.requires_grad
+
+
+def test_finite_sum_decides_as_the_float64_sum():
+    """The pair grid's overflow check (min/max for float32 rates) says what the float64
+    sum of the rates said: finite, +-inf, NaN, empty, the largest float32 numbers (whose
+    float64 sum is finite) and float64 numbers whose sum overflows."""
+    from companion.sbm.fastrg import _finite_sum
+
+    big32 = torch.finfo(torch.float32).max
+    cases = [torch.zeros(0), torch.rand(1001), torch.full((999,), big32),
+             torch.tensor([1.0, math.inf]), torch.tensor([-math.inf, 2.0]),
+             torch.tensor([0.5, math.nan, 1.0]), torch.tensor([math.inf, -math.inf]),
+             torch.tensor([1e308, 1e308], dtype=F64), torch.tensor([1e308, 1.0], dtype=F64),
+             torch.tensor([1.0, math.nan], dtype=F64), torch.zeros(0, dtype=F64)]
+    for p in cases:
+        assert _finite_sum(p) == bool(torch.isfinite(p.sum(dtype=F64))), p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_pair_counts_refuse_overflowing_rates(dtype):
+    """Memberships whose ``P = Qhat S Khat^T`` overflows (finite inputs) are refused with
+    the sampler's message, in float32 and float64."""
+    big = torch.finfo(dtype).max ** 0.75
+    qm = torch.full((1, 2, 5, 3), big, dtype=dtype)
+    km = torch.full((1, 2, 4, 3), big, dtype=dtype)
+    s = torch.full((2, 3, 3), 1 / 9, dtype=dtype)
+    with pytest.raises(ValueError, match="expected edge count overflows"):
+        poisson_pair_counts(qm, s, km, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("pad_id", [None, 0])
+def test_lra_training_is_bit_identical_to_the_former_copies_and_checks(dtype, pad_id,
+                                                                       monkeypatch):
+    """Three AdamW steps of a small pair-grid LRA model give the losses, logits,
+    densities, every gradient, the parameters and the sampled edges of the former code
+    (torch's transposing copies, the float64 sum as the overflow check) bit for bit."""
+    from companion.lra.model import LRAClassifier
+    from companion.sbm import fastrg, layer
+
+    def train():
+        torch.manual_seed(0)
+        model = LRAClassifier(4, 23, 2, attention="sbm", dim=12, heads=2, head_dim=6,
+                              ffn=16, num_clusters=5, pad_id=pad_id, dropout=0.0,
+                              dtype=dtype)
+        optimiser = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 4, (3, 23), generator=torch.Generator().manual_seed(2))
+        labels = torch.tensor([0, 1, 1])
+        record = []
+        for step in range(4):
+            model.set_record(step == 3)
+            logits, densities = model(tokens, generator=gen)
+            loss = torch.nn.functional.cross_entropy(logits, labels) \
+                + density_regularizer(densities, 1e-2)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            record += [loss, logits, *densities,
+                       *(p.grad for p in model.parameters()), *model.parameters()]
+        for edges in model.last_edges():
+            record += list(edges)
+        return [t.detach().clone() for t in record]
+
+    now = train()
+    former_copy = lambda x: x.detach().transpose(1, 2).contiguous()  # noqa: E731
+    monkeypatch.setattr(fastrg, "transposed_copy", former_copy)
+    monkeypatch.setattr(layer, "transposed_copy", former_copy)
+    monkeypatch.setattr(fastrg, "_finite_sum",
+                        lambda p: bool(torch.isfinite(p.sum(dtype=torch.float64))))
+    former = train()
+    assert len(now) == len(former)
+    for a, b in zip(now, former):
+        assert a.dtype == b.dtype and torch.equal(a, b)

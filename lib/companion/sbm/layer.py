@@ -28,7 +28,8 @@ from torch import nn
 
 from companion._validate import check_int, check_tensor
 from companion.sbm.fastrg import (DEFAULT_TUNING, DUPLICATE_POLICIES, FastRGTuning,
-                                  fastrg_sample, poisson_pair_counts, use_pair_grid)
+                                  fastrg_sample, poisson_pair_counts, transposed_copy,
+                                  use_pair_grid)
 from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
 
 __all__ = ["sbm_parameters", "SBMAttention", "density_regularizer"]
@@ -200,7 +201,7 @@ def _count_attention_forward(q, k, v, weights, absent_bias, scale):
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     # a contiguous K^T: bmm with a transposed second operand took about twice as
     # long here (float32 results bit-identical on the shapes tried)
-    u = torch.baddbmm(absent_bias, qa, ka.transpose(1, 2).contiguous(), alpha=scale)
+    u = torch.baddbmm(absent_bias, qa, transposed_copy(ka), alpha=scale)
     u.sub_(u.amax(-1, keepdim=True)).clamp_(min=-80.0).exp_()
     total = torch.mul(u, weights).sum(-1, keepdim=True)
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
@@ -217,7 +218,7 @@ def _count_attention_backward(saved, grad_out, scale, dtypes):
     go = grad_out.to(u.dtype)
     grad_v = torch.bmm(attn.transpose(1, 2), go)
     # dL/dw_ij = u_ij (<dout_i, v_j> - <dout_i, out_i>)
-    grad_w = torch.bmm(go, va.transpose(1, 2).contiguous())
+    grad_w = torch.bmm(go, transposed_copy(va))
     grad_w.sub_((go * out).sum(-1, keepdim=True)).mul_(u)
     grad_s = grad_w * weights  # dL/ds_ij / scale
     grad_q = torch.bmm(grad_s, ka).mul_(scale)
