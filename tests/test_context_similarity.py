@@ -23,6 +23,7 @@ from companion.context_similarity import (
     CaptureSettings,
     ModelNotFoundError,
     SimilarityStats,
+    TopPairsTuning,
     analyse_batch,
     analyse_corpus,
     encoder_layers,
@@ -380,6 +381,68 @@ def test_top_pairs_with_fewer_pairs_than_k(t, segment):
             # unsorted: the same pairs, first
             key = (i[w, ..., :kw] * t + j[w, ..., :kw]).sort(-1).values
             assert torch.equal(key, (i2[w, ..., :kw] * t + j2[w, ..., :kw]).sort(-1).values)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaNs at the same places and the same sign bits (-0.0 is not 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a == b) | (a.isnan() & b.isnan())).all()
+                and torch.equal(torch.signbit(a), torch.signbit(b)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("t,segment", [(128, 32), (37, 16), (21, 4), (13, 32), (48, 8),
+                                       (2, 32)])
+def test_top_pairs_mask_by_minimum_selects_as_index_fill(dtype, t, segment):
+    """TopPairsTuning.mask_by_minimum (the default) gives the same bits as masking the
+    never-pairs with index_fill_ (the former code): values, the pairs in the same order
+    (the order feeds float64 sums), the batch sum, sorted or not; on ties (rounded
+    outputs, repeated tokens), -0.0 similarities (zero outputs), padding, windows with
+    fewer pairs than k or none, a metric, and NaN or inf outputs of invalid tokens (kept
+    by the minimum, then sent back to index_fill_) or of valid ones (both raise)."""
+    gen = torch.Generator().manual_seed(1000 + t)
+    b, n_l, n_h, d = 5, 2, 2, 4
+    z = torch.round(4 * torch.randn(b, n_l, n_h, t, d, generator=gen, dtype=torch.float64)) / 4
+    z[..., 1::3, :] = z[..., 0:1, :]  # repeated tokens
+    z[0, ..., 1, :] = -0.0  # a zero output: -0.0 or 0.0 similarities
+    z = z.to(dtype)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[:, 0] = valid[:, -1] = False
+    valid[1, t // 2:] = False  # padding
+    valid[2] = False
+    valid[2, [0, t - 1]] = True  # one pair at most
+    valid[3] = False  # none
+    valid[4] = torch.rand(t, generator=gen) > 0.3
+    n = int(valid[0].sum())
+    k = max(1, min(n * (n - 1) // 2 // 7, t * (t - 1) // 2))
+    metric = torch.randn(n_l, n_h, d, d, generator=gen, dtype=torch.float64)
+    metric = (metric @ metric.transpose(-1, -2)).to(dtype)
+    exact = TopPairsTuning(mask_by_minimum=False)
+    cases = [(z, None), (z, metric)]
+    for bad in (float("nan"), float("inf")):
+        for where in ((0, 0), (1, t - 1), (0, t // 2)):  # invalid tokens, then a valid one
+            broken = z.clone()
+            broken[where[0], :, :, where[1], 1] = bad
+            cases.append((broken, None))
+    for outputs, m in cases:
+        for sort in (True, False):
+            runs = []
+            for tuning in (TopPairsTuning(), exact):
+                try:
+                    runs.append(top_pairs(outputs, valid, k, metric=m, segment=segment,
+                                          return_sum=True, sort=sort, tuning=tuning))
+                except ValueError as exc:
+                    runs.append(str(exc))
+            fast, slow = runs
+            if isinstance(slow, str):
+                assert fast == slow
+                continue
+            assert not isinstance(fast, str), fast
+            for got, want in zip(fast, slow):
+                assert _same_bits(got, want)
 
 
 def test_top_pairs_fillers_on_the_issue_example():

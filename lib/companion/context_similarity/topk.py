@@ -10,7 +10,7 @@ a pyramid of maxima (row parts, segments, shorter and shorter runs) is searched 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,12 +30,22 @@ class TopPairsTuning:
     steps make a group whose selection (:func:`_descend`) runs while the group's products
     (about ``heads_per_group * core_cache_bytes``, 8 MiB by default) sit in the shared
     cache (L3); a buffer of all products would be written back to main memory and gathered
-    from there. On other devices everything is done at once. These only change speed,
-    never the result.
+    from there. On other devices everything is done at once.
+
+    ``mask_by_minimum``: the entries that are never pairs are set to ``-inf`` by one
+    vectorised ``minimum`` with a ``[B, T, T]`` limit (``+inf`` at the candidates,
+    ``-inf`` elsewhere) instead of an ``index_fill_`` of their flat offsets. For every
+    number, ``-0.0`` and the infinities the two give the same bits; they differ only at
+    a NaN among the never-pairs (``minimum`` keeps it). Such a NaN, unless its segment is
+    excluded, wins every level of the search and shows among the selected values, where
+    a NaN or ``+inf`` sends :func:`top_pairs` back to the ``index_fill_`` (which then
+    raises or not, as it decides alone). So none of these changes the result, only the
+    speed.
     """
 
     core_cache_bytes: int = 1 << 20
     heads_per_group: int = 8
+    mask_by_minimum: bool = True
 
 
 def similarity_matrices(
@@ -116,6 +126,18 @@ def _run_max(x: torch.Tensor, width: int) -> torch.Tensor:
     if width >= 32:
         return x.view(x.shape[0], -1, width).amax(2)
     return torch.nn.functional.max_pool1d(x.unsqueeze(1), width).squeeze(1)
+
+
+def _segment_maxima(part: torch.Tensor, seg_len: int, excluded: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """Maxima of the segments of ``seg_len`` columns of ``part`` [c, B, T, T] into ``out``
+    [c, B, T, T / seg_len], ``-inf`` where ``excluded`` [B, T, T / seg_len]."""
+    c, b, t, _ = part.shape
+    if seg_len >= 32:  # a reduction over the last axis, straight into out
+        torch.amax(part.view(c, b, t, t // seg_len, seg_len), -1, out=out)
+    else:  # max pooling: a reduction over short runs does not vectorise
+        out.copy_(_run_max(part.view(-1, t), seg_len).view(out.shape))
+    out.masked_fill_(excluded, float("-inf"))
 
 
 def _divisor_at_most(t: int, target: int) -> int:
@@ -257,17 +279,23 @@ def top_pairs(
     if return_sum:
         total = work_buffer(workspace, "similarity_sum", n_matrices * t * t, outputs.dtype,
                             dev).view(n_matrices, t, t)
-    # Entries that are never pairs, as flat offsets in one [B, T, T] block of matrices:
-    # j <= i inside the diagonal segment x segment blocks, and the columns of invalid
-    # tokens j (invalid rows i are dropped through the segment maxima below).
+    # Entries that are never pairs, in one [B, T, T] block of matrices: j <= i inside the
+    # diagonal segment x segment blocks, and the columns of invalid tokens j (invalid rows
+    # i are dropped through the segment maxima below). As flat offsets (index_fill_), or
+    # as a limit, +inf at candidates and -inf there (a vectorised minimum; see
+    # TopPairsTuning.mask_by_minimum).
     tok = torch.arange(t, device=dev)
     same_block = (tok[:, None] // seg_len) == (tok[None, :] // seg_len)
     in_block_lower = same_block & (tok[None, :] <= tok[:, None])
-    never = (in_block_lower[None] | ~valid[:, None, :]).view(-1).nonzero().squeeze(1)
+    never_pair = in_block_lower[None] | ~valid[:, None, :]  # [B, T, T]
+    if tuning.mask_by_minimum:
+        limit = work_buffer(workspace, "pair_limit", b * t * t, outputs.dtype, dev).view(
+            b, t, t).fill_(float("inf")).masked_fill_(never_pair, neg_inf)
+    else:
+        never = never_pair.view(-1).nonzero().squeeze(1)
     # segments wholly below the diagonal and the rows of invalid tokens i: maximum -inf
     below_diagonal = tok[None, :n_segments] < (tok // seg_len)[:, None]  # [T, n_segments]
     excluded = below_diagonal[None] | ~valid[:, :, None]  # [B, T, n_segments]
-    minus_inf = torch.full((), neg_inf, dtype=outputs.dtype, device=dev)
     # row parts of segs_per_part neighbouring segments; about sqrt(T n_segments / k) of
     # them balances the first two selections (row parts, then their segments)
     segs_per_part = _divisor_at_most(n_segments, max(1, round(math.sqrt(t * n_segments / k))))
@@ -285,11 +313,13 @@ def top_pairs(
             torch.matmul(left[first:last], right[first:last].transpose(-1, -2), out=part)
             if total is not None:
                 torch.sum(part, 1, out=total[first:last])
-            part.view(last - first, -1).index_fill_(1, never, neg_inf)
+            if tuning.mask_by_minimum:
+                torch.minimum(part, limit, out=part)
+            else:
+                part.view(last - first, -1).index_fill_(1, never, neg_inf)
             # segment (i, c): row i, columns c seg_len .. (c + 1) seg_len - 1 (contiguous)
-            pooled = _run_max(part.view(-1, t), seg_len).view(last - first, b, t, n_segments)
-            torch.where(excluded, minus_inf, pooled,
-                        out=seg_max[first - group_start:last - group_start])
+            _segment_maxima(part, seg_len, excluded,
+                            seg_max[first - group_start:last - group_start])
         rows = slice(group_start * b, group_end * b)
         v[rows], i_sel[rows], j_sel[rows] = _descend(sims.view(-1), seg_max, k, seg_len,
                                                      segs_per_part)
@@ -298,6 +328,10 @@ def top_pairs(
     # NaN ranks above every number and +inf above every finite one: a non-finite output of
     # a valid token shows among the selected values (checking k per matrix, not T^2)
     if bool((v.isnan() | v.isposinf()).any()):
+        if tuning.mask_by_minimum:  # perhaps a NaN among the never-pairs (see the tuning)
+            return top_pairs(outputs, valid, k, metric=metric, segment=segment,
+                             return_sum=return_sum, workspace=workspace, sort=sort,
+                             tuning=replace(tuning, mask_by_minimum=False))
         raise ValueError("outputs: expected finite values, got similarities of valid tokens "
                          "that are NaN or inf")
     if sort:
