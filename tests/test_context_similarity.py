@@ -970,6 +970,8 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
     settings = (serial, CaptureSettings(lanes=1), CaptureSettings(), CaptureSettings(lanes=3))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    cs.clear_workspaces()
+    most_lanes = 1
     try:
         runs = []
         for setting in settings:
@@ -980,11 +982,17 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
                 **opts, "where": "post_wo", "per_window": True, "batch_size": 1})
             assert torch.get_num_threads() == threads
             assert model.config._attn_implementation == "eager"
-            # only lane 0's work buffers outlive the pass (the serial path's keys)
-            assert set(corpus._SHARED_WORKSPACES) <= {"cpu", "cpu/where1"}
+            # every lane's work buffers outlive the pass (and serve the next ones), one
+            # workspace per lane and where entry, lane 0 under the serial path's keys
+            if threads <= setting.lanes:
+                most_lanes = max(most_lanes, min(threads, setting.lanes))
+            assert set(corpus._SHARED_WORKSPACES) <= {
+                key + where for key in ["cpu", *(f"cpu/lane{n}" for n in range(1, most_lanes))]
+                for where in ("", "/where1")}
             runs.append((first, second, post, single))
     finally:
         torch.set_num_threads(before)
+    assert {"cpu/lane1", "cpu/lane1/where1"} <= set(corpus._SHARED_WORKSPACES)  # kept
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):
             _assert_stats_identical(got, want)

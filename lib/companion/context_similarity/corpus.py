@@ -33,17 +33,18 @@ from companion.devices import resolve_device
 
 __all__ = ["analyse_corpus", "clear_workspaces"]
 
-# Work buffers of analyse_corpus, one Workspace per device, kept between calls: buffers
-# of tens of megabytes are handed back to the operating system when freed, and
-# page-faulting them in again costs about as much per call as a batch of analysis.
-# A cache, not a setting: clear_workspaces() frees them.
+# Work buffers of analyse_corpus, one Workspace per device, lane and where entry, kept
+# between calls: buffers of tens of megabytes are handed back to the operating system
+# when freed, and page-faulting them in again costs about as much per call as a batch of
+# analysis. A cache, not a setting: clear_workspaces() frees them.
 _SHARED_WORKSPACES: dict[str, Workspace] = {}
 
 
 def clear_workspaces() -> None:
     """Free the work buffers :func:`analyse_corpus` keeps between calls (the bool map of
     ``A >= attention_threshold``, ``L H B T^2`` bytes, the head outputs and the
-    similarity buffers: about 60 MB per device for MiniLM in float32, batches of 16).
+    similarity buffers: about 60 MB per device and lane for MiniLM in float32, batches
+    of 16).
 
     >>> clear_workspaces()
     """
@@ -142,10 +143,10 @@ def analyse_corpus(
     ----------
     One forward pass per window plus O(L H T^2) per window for the statistics. Memory:
     work buffers of about 60 MB per lane (MiniLM, float32, batches of 16: the attention
-    maps are not kept, only ``A >= attention_threshold``, ``L H B T^2`` bytes), lane 0's
-    kept between calls on each device (:func:`clear_workspaces` frees them), the other
-    lanes' freed when the call returns; not for concurrent calls from threads (the lanes
-    are this call's own).
+    maps are not kept, only ``A >= attention_threshold``, ``L H B T^2`` bytes), every
+    lane's kept between calls on each device (:func:`clear_workspaces` frees them: a
+    fresh lane's buffers would be page-faulted in again by every call); not for
+    concurrent calls from threads (the buffers are shared by all calls).
     """
     from companion.corpora import Windows
 
@@ -221,13 +222,13 @@ def analyse_corpus(
                else 1)
 
     def lane_workspaces(lane):
-        """One workspace per where for the update's buffers (the capture's in the first):
-        lane 0's (the serial path's) kept between calls, the other lanes' this call's own."""
-        if lane == 0:
-            return [_SHARED_WORKSPACES.setdefault(
-                str(model_device) if n == 0 else f"{model_device}/where{n}", Workspace())
-                for n in range(len(fresh))]
-        return [Workspace() for _ in fresh]
+        """One workspace per where for the update's buffers (the capture's in the first),
+        kept between calls: lane 0's (the serial path's) under the device's name, lane
+        ``l``'s under ``<device>/lane<l>``."""
+        lane_key = str(model_device) if lane == 0 else f"{model_device}/lane{lane}"
+        return [_SHARED_WORKSPACES.setdefault(
+            lane_key if n == 0 else f"{lane_key}/where{n}", Workspace())
+            for n in range(len(fresh))]
 
     def forward(position, workspace):
         k = mine[position]
@@ -261,7 +262,6 @@ def analyse_corpus(
                 advance(n_windows)
 
             _in_lanes(n_lanes, n_lanes, len(mine), compute, add)  # one intra-op thread each
-            del workspaces  # the other lanes' buffers go with the pass
         else:
             _one_batch_at_a_time(fresh, lane_workspaces(0), len(mine), forward, advance,
                                  side_by_side=(settings.side_by_side_updates

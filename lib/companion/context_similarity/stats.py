@@ -24,7 +24,7 @@ import torch
 from companion._validate import check_int
 from companion.context_similarity.capture import BatchResult
 from companion.context_similarity.topk import similarity_matrices, top_pairs
-from companion.context_similarity.workspace import Workspace, work_buffer
+from companion.context_similarity.workspace import Workspace
 
 __all__ = [
     "LONG_RANGE",
@@ -578,12 +578,10 @@ def _n_queries_w(b: PairBatch):
 
 @batch_sum("similarity_sum", ("L", "H", "T", "T"), torch.float64)
 def _similarity_sum(b: PairBatch):
-    # through a kept float64 buffer: a fresh one per batch would be page-faulted in
-    # every time
-    sums = b.similarity_sum
-    wide = work_buffer(b.workspace, "similarity_sum_float64", sums.numel(), torch.float64,
-                       b.stats.device)
-    return wide.view(sums.shape).copy_(sums)
+    # in the outputs' dtype (top_pairs's buffer): add_parts adds it to the float64 sum
+    # as it is, which equals adding its float64 copy (the widening is exact) without
+    # writing that copy
+    return b.similarity_sum
 
 
 @window_sum("tracked_endpoints", needs="tracked")
@@ -976,7 +974,12 @@ class SimilarityStats:
                 total.view(-1).index_add_(0, value.index.to(total.device),
                                           value.weights.to(total.device, total.dtype))
             else:
-                total += value.to(device=total.device, dtype=total.dtype)
+                value = value.to(total.device)
+                if torch.promote_types(value.dtype, total.dtype) != total.dtype:
+                    value = value.to(total.dtype)
+                # a float32 part into a float64 sum: widened exactly on the fly, the
+                # same numbers as adding its float64 copy, without that copy
+                total += value
         for name, value in parts.windows:
             self._windows.setdefault(name, []).append(value.to(self.device))
         return self
