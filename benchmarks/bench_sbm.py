@@ -296,15 +296,40 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
             cpu[name].append(time.process_time() - cpu0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
+    dispatch = {name: step_dispatch_counts(lambda: step(name),
+                                           lambda: models[name][0](tokens, generator=gen))
+                for name, gen in (("sbm", torch.Generator().manual_seed(seed + 3)),
+                                  ("dense", None))}
     return {
         "batch": batch, "n": n, "clusters": clusters, "repeats": repeats, "threads": threads,
         "worker_heap": worker_heap, "worker_heap_set": heap_set,
-        "step_s": med, "times_s": times, "step_cpu_s": med_cpu,
+        "step_s": med, "times_s": times, "step_cpu_s": med_cpu, "dispatch": dispatch,
         "sbm_over_dense": med["sbm"] / med["dense"],
         "sbm_first_over_dense": med["sbm_first"] / med["dense"],
         "sbm_over_dense_cpu": med_cpu["sbm"] / med_cpu["dense"],
         "load_average": os.getloadavg(),
     }
+
+
+def step_dispatch_counts(step, forward) -> dict:
+    """Torch operators one warm training ``step()`` dispatches (torch.profiler events,
+    nested ones included) and the autograd nodes of one ``forward()`` (its loss graph,
+    every output summed): the per-step bookkeeping beside the arithmetic."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = sum(event.count for event in prof.key_averages())
+    logits, densities = forward()
+    root = (logits.sum() + sum(d.sum() for d in densities)).grad_fn
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(child for child, _ in node.next_functions)
+    return {"ops_per_step": ops, "autograd_nodes_per_forward": len(seen)}
 
 
 def copy_bandwidth_bytes_per_s() -> float:
@@ -352,7 +377,11 @@ def step_benchmark(repeats: int, threads=(1, 2)) -> list[dict]:
             print(f"training step n=100, {count} thread(s), workers' heap {heap == '1'}: "
                   f"SBM / dense {res['sbm_over_dense']:.2f} wall, "
                   f"{res['sbm_over_dense_cpu']:.2f} CPU; first implementation / dense "
-                  f"{res['sbm_first_over_dense']:.2f} (load {res['load_average'][0]:.1f})",
+                  f"{res['sbm_first_over_dense']:.2f} (load {res['load_average'][0]:.1f}); "
+                  f"ops per step SBM {res['dispatch']['sbm']['ops_per_step']}, dense "
+                  f"{res['dispatch']['dense']['ops_per_step']}; autograd nodes SBM "
+                  f"{res['dispatch']['sbm']['autograd_nodes_per_forward']}, dense "
+                  f"{res['dispatch']['dense']['autograd_nodes_per_forward']}",
                   flush=True)
     return runs
 
@@ -630,6 +659,12 @@ def _markdown(result) -> str:
                          f"{med['sbm']:.4f} | {med['sbm_first']:.4f} | {med['dense']:.4f} | "
                          f"{r['sbm_over_dense']:.2f} | {r['sbm_over_dense_cpu']:.2f} | "
                          f"{r['sbm_first_over_dense']:.2f} | {r['load_average'][0]:.1f} |")
+        counts = first.get("dispatch")
+        if counts:
+            lines += ["", f"Torch operators per step: SBM {counts['sbm']['ops_per_step']}, "
+                      f"dense {counts['dense']['ops_per_step']}; autograd nodes per forward: "
+                      f"SBM {counts['sbm']['autograd_nodes_per_forward']}, dense "
+                      f"{counts['dense']['autograd_nodes_per_forward']}."]
     lines += ["", "## Edge time against edges at fixed n (log-log slope; 1 = linear)", ""]
     for n, slope in s["edge_time_slope_vs_edges"].items():
         lines.append(f"- n = {n}: {slope:.2f}")
