@@ -405,7 +405,11 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
         if received is not None:  # [1, Tq] @ [H, Tq, Tk] -> [H, 1, Tk]
             torch.matmul(content[w], probs, out=received[w].unsqueeze(1))
         if high is not None:
-            torch.ge(probs, high, out=maps[w])
+            # A >= threshold as 1.0 / 0.0 in place (the scratch's last use), then to bool:
+            # two vectorised passes, the same bits as one ge into the bool map (which
+            # does not vectorise, and cost twice as much)
+            torch.ge(probs, high, out=probs)
+            maps[w].copy_(probs)
     sink.after_layer()
     return out.transpose(1, 2), (maps if high is None else None)
 
