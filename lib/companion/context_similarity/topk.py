@@ -418,6 +418,7 @@ def _descend(products: torch.Tensor, segment_max: torch.Tensor, k: int, seg_len:
         parent, sub_run = divmod_(member, run_len // sub_len)
         row_i = row_i.gather(1, parent)
         first_j = first_j.gather(1, parent) + sub_run * sub_len
-        entries = children(entries, sub_len, member)  # [N, m, sub_len]
+        if sub_len > 1:  # the entries themselves once single: nothing left to gather
+            entries = children(entries, sub_len, member)  # [N, m, sub_len]
         run_len = sub_len
     return value, row_i, first_j
