@@ -2,10 +2,11 @@
 
 Buffers of tens of megabytes are handed back to the operating system when freed, and
 page-faulting them in again costs about as much per batch as the product written into
-them. The capture (attention maps, head outputs), the top-pair search (similarity
-products, segment maxima) and the statistics (the float64 similarity sum) therefore ask
-a :class:`Workspace` for their buffers by name; a buffer is reused while it is large
-enough and of the same dtype and device, and overwritten by the next user of the name.
+them. The capture (attention maps or their ``A >= threshold``, head outputs) and the
+top-pair search (similarity products and their batch sum, segment maxima, the limit that
+masks the never-pairs) therefore ask a :class:`Workspace` for their buffers by name; a
+buffer is reused while it is large enough and of the same dtype and device, and
+overwritten by the next user of the name.
 """
 from __future__ import annotations
 
