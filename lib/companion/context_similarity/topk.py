@@ -37,7 +37,8 @@ class TopPairsTuning:
     ``-inf`` elsewhere) instead of an ``index_fill_`` of their flat offsets. For every
     number, ``-0.0`` and the infinities the two give the same bits; they differ only at
     a NaN among the never-pairs (``minimum`` keeps it). Such a NaN, unless its segment is
-    excluded, wins every level of the search and shows among the selected values, where
+    excluded, wins every level of the search (``amax``, max pooling and ``topk`` all put
+    NaN first, at any position of a run) and shows among the selected values, where
     a NaN or ``+inf`` sends :func:`top_pairs` back to the ``index_fill_`` (which then
     raises or not, as it decides alone). So none of these changes the result, only the
     speed.
