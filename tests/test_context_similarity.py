@@ -1263,8 +1263,15 @@ def test_bad_input_raises_clear_errors(minilm64, tiny_model_dir):
         similarity_matrices(torch.zeros(1, 1, 1, 4, 2), metric=torch.eye(2))
     with pytest.raises(ValueError, match="percentile"):
         SimilarityStats(1, 1, 8, 10, percentile=0)
-    with pytest.raises(ValueError, match="attention_threshold"):
-        SimilarityStats(1, 1, 8, 10, attention_threshold=2.0)
+    for bad in (2.0, 0.0, True, "0.1"):  # True is no probability (analyse_batch agrees)
+        with pytest.raises(ValueError, match="attention_threshold"):
+            SimilarityStats(1, 1, 8, 10, attention_threshold=bad)
+        if bad is not True:
+            continue
+        with pytest.raises(ValueError, match="attention_threshold"):
+            analyse_batch(model, w[:1].batch(), attention_threshold=bad)
+        with pytest.raises(ValueError, match="percentile"):
+            SimilarityStats(1, 1, 8, 10, percentile=bad)
     stats = SimilarityStats(6, 12, w.length, model.config.vocab_size)
     with pytest.raises(TypeError, match="batch_result"):
         stats.update("nope")

@@ -677,9 +677,12 @@ class SimilarityStats:
             check_int(name, getattr(self, name), minimum=1)
         if self.length < 2:
             raise ValueError(f"length: expected >= 2 tokens, got {self.length}")
-        if not isinstance(self.percentile, (int, float)) or not 0 < self.percentile <= 100:
+        # a bool is an int to isinstance: True would pass as 1 (analyse_batch refuses it)
+        if (isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float))
+                or not 0 < self.percentile <= 100):
             raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")
-        if (not isinstance(self.attention_threshold, (int, float))
+        if (isinstance(self.attention_threshold, bool)
+                or not isinstance(self.attention_threshold, (int, float))
                 or not 0 < self.attention_threshold <= 1):
             raise ValueError("attention_threshold: expected a probability in (0, 1], got "
                              f"{self.attention_threshold!r}")
