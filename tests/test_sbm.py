@@ -1010,19 +1010,23 @@ def test_sbm_parameters_on_projection_views_equal_contiguous_copies(dtype):
 @pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1, 1), (2, 0, 3), (4, 13, 2)])
 def test_transposed_copy_equals_torch_transpose_contiguous(dtype, shape):
     """transposed_copy (numpy's strided copy on CPU) is ``x.transpose(1, 2).contiguous()``
-    bit for bit, from contiguous and strided inputs (odd and empty sizes; float16 takes
-    torch's copy), contiguous itself, and without grad for an input that requires it."""
+    bit for bit, from contiguous, strided and negated-view inputs (odd and empty sizes;
+    float16 takes torch's copy), contiguous itself, never sharing the input's memory, and
+    without grad for an input that requires it."""
     from companion.sbm.fastrg import transposed_copy
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(*shape, generator=g, dtype=F64).to(dtype)
     strided = torch.randn(shape[2], shape[0], shape[1], generator=g,
                           dtype=F64).to(dtype).permute(1, 2, 0)
-    for t in (x, strided, x.clone().requires_grad_(dtype != torch.float16)):
+    # x._neg_view(): a lazily negated view, which numpy cannot read (torch's copy then)
+    for t in (x, strided, x.clone().requires_grad_(dtype != torch.float16), x._neg_view()):
         got = transposed_copy(t)
-        want = t.detach().transpose(1, 2).contiguous()
+        want = t.detach().transpose(1, 2).contiguous().resolve_neg()
         assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
         assert torch.equal(got, want) and not got.requires_grad
+        if t.numel():  # a copy, never a view of the input (size-1 dimensions included)
+            assert got.data_ptr() != t.data_ptr()
 
 
 def test_finite_sum_decides_as_the_float64_sum():
@@ -1057,7 +1061,7 @@ def test_pair_counts_refuse_overflowing_rates(dtype):
 @pytest.mark.parametrize("pad_id", [None, 0])
 def test_lra_training_is_bit_identical_to_the_former_copies_and_checks(dtype, pad_id,
                                                                        monkeypatch):
-    """Three AdamW steps of a small pair-grid LRA model give the losses, logits,
+    """Four AdamW steps of a small pair-grid LRA model give the losses, logits,
     densities, every gradient, the parameters and the sampled edges of the former code
     (torch's transposing copies, the float64 sum as the overflow check) bit for bit."""
     from companion.lra.model import LRAClassifier

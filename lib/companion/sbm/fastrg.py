@@ -419,18 +419,27 @@ def use_pair_grid(q_times_s: torch.Tensor, k_membership: torch.Tensor,
 def transposed_copy(x: torch.Tensor) -> torch.Tensor:
     """``x.transpose(1, 2).contiguous()`` of a 3-D tensor, as a new tensor without grad.
 
-    On CPU (float32 / float64) by numpy's strided copy, about half the time of torch's
-    transposing copy here ([64, 100, 32]: 71 vs 128 us); the same numbers (a copy).  For
-    the GEMMs' second operands, which ran about twice as fast contiguous as transposed.
+    On CPU (float32 / float64) by numpy's strided copy: at [64, 100, 32] on one thread
+    74 against 110 us for torch's transposing copy (this 2-core machine, load 2.7); the
+    same numbers (a copy). For the GEMMs' second operands, which ran about twice as fast
+    contiguous as transposed. Always a copy, never a view of ``x`` (``.contiguous()``
+    returns ``x`` itself when a size-1 dimension makes the transpose contiguous). Tensors
+    numpy cannot read (negative or conjugate views) and traced or compiled calls take
+    torch's copy.
 
     >>> x = torch.arange(6.0).reshape(1, 2, 3)
     >>> torch.equal(transposed_copy(x), x.transpose(1, 2).contiguous())
     True
+    >>> y = torch.zeros(3, 1, 5)
+    >>> transposed_copy(y).data_ptr() != y.data_ptr()
+    True
     """
     x = x.detach()
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel():
-        return torch.from_numpy(np.ascontiguousarray(x.numpy().transpose(0, 2, 1)))
-    return x.transpose(1, 2).contiguous()
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() \
+            and not (x.is_neg() or x.is_conj() or torch.jit.is_tracing()
+                     or torch.compiler.is_compiling()):
+        return torch.from_numpy(x.numpy().transpose(0, 2, 1).copy(order="C"))
+    return x.transpose(1, 2).clone(memory_format=torch.contiguous_format)
 
 
 def _use_key_grid(q_times_s: torch.Tensor, k_mass: torch.Tensor, pairs: int,
