@@ -351,6 +351,23 @@ def test_top_pairs_equal_brute_force(t, segment):
 
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 3), (2, 0, 3), (2, 2, 0), (0, 0, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_pairs_of_no_windows_layers_or_heads_are_empty(shape, dtype):
+    """An empty batch (B, L or H = 0) gives empty results of the documented shapes and the
+    zero batch sum, as the brute-force reference does (it has nothing to select)."""
+    b, n_l, n_h = shape
+    t, d, k = 9, 4, 3
+    z = torch.randn(b, n_l, n_h, t, d, dtype=dtype)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    for tuning in (TopPairsTuning(), TopPairsTuning(mask_by_minimum=False)):
+        v, i, j, total = top_pairs(z, valid, k, return_sum=True, tuning=tuning)
+        assert v.shape == i.shape == j.shape == (b, n_l, n_h, k) and v.dtype == dtype
+        assert i.dtype == j.dtype == torch.long
+        torch.testing.assert_close(total, similarity_matrices(z).sum(0), rtol=0, atol=0)
+        assert len(top_pairs(z, valid, k, tuning=tuning)) == 3
+
+
 @pytest.mark.parametrize("t,segment", [(128, 16), (24, 4), (37, 16), (21, 32)])
 def test_top_pairs_with_fewer_pairs_than_k(t, segment):
     """Windows with fewer valid pairs than k (3, 21, none; all pairs in the last): their
@@ -990,6 +1007,16 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
                 key + where for key in ["cpu", *(f"cpu/lane{n}" for n in range(1, most_lanes))]
                 for where in ("", "/where1")}
             runs.append((first, second, post, single))
+
+        def lane_buffers():  # the other lanes' buffers (the tensors: an address alone
+            return {(key, name): buf  # could come back from the allocator after a free)
+                    for key, ws in corpus._SHARED_WORKSPACES.items() if "lane" in key
+                    for name, buf in ws._buffers.items()}
+        kept = lane_buffers()
+        analyse_corpus(model, wins, settings=settings[-1], **{  # a repeat of the last call
+            **opts, "where": "post_wo", "per_window": True, "batch_size": 1})
+        now = lane_buffers()  # the same buffers serve it
+        assert kept and now.keys() == kept.keys() and all(now[k] is kept[k] for k in kept)
     finally:
         torch.set_num_threads(before)
     assert {"cpu/lane1", "cpu/lane1/where1"} <= set(corpus._SHARED_WORKSPACES)  # kept

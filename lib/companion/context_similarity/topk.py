@@ -146,7 +146,6 @@ def _divisor_at_most(t: int, target: int) -> int:
     return max(s for s in range(1, max(1, min(t, target)) + 1) if t % s == 0)
 
 
-# Work buffers of analyse_corpus, per device, kept between calls: buffers of tens of
 def top_pairs(
     outputs: torch.Tensor,
     valid: torch.Tensor,
@@ -256,6 +255,10 @@ def top_pairs(
         raise ValueError(f"metric: expected shape {(n_l, n_h, d, d)} [L, H, d, d], got {got}")
     dev, n_matrices = outputs.device, n_l * n_h
     neg_inf = float("-inf")
+    if b == 0 or n_matrices == 0:  # no windows, layers or heads: no pairs to search
+        empty = torch.empty((b, n_l, n_h, k), dtype=torch.long, device=dev)
+        result = outputs.new_empty((b, n_l, n_h, k)), empty, empty.clone()
+        return (*result, outputs.new_zeros((n_l, n_h, t, t))) if return_sum else result
     # a view (no copy) for the layout of head_outputs
     right = outputs.permute(1, 2, 0, 3, 4).reshape(n_matrices, b, t, d)
     left = right
