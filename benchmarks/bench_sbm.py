@@ -314,7 +314,9 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
 def step_dispatch_counts(step, forward) -> dict:
     """Torch operators one warm training ``step()`` dispatches (torch.profiler events,
     nested ones included) and the autograd nodes of one ``forward()`` (its loss graph,
-    every output summed): the per-step bookkeeping beside the arithmetic."""
+    every output summed): the per-step bookkeeping beside the arithmetic. Work done
+    outside torch (numpy's random stream and strided copies in the SBM sampler and pair
+    grid) is not an operator and is not counted."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -664,7 +666,8 @@ def _markdown(result) -> str:
             lines += ["", f"Torch operators per step: SBM {counts['sbm']['ops_per_step']}, "
                       f"dense {counts['dense']['ops_per_step']}; autograd nodes per forward: "
                       f"SBM {counts['sbm']['autograd_nodes_per_forward']}, dense "
-                      f"{counts['dense']['autograd_nodes_per_forward']}."]
+                      f"{counts['dense']['autograd_nodes_per_forward']} (numpy's work in "
+                      "the SBM sampler is not a torch operator and is not counted)."]
     lines += ["", "## Edge time against edges at fixed n (log-log slope; 1 = linear)", ""]
     for n, slope in s["edge_time_slope_vs_edges"].items():
         lines.append(f"- n = {n}: {slope:.2f}")

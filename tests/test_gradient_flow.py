@@ -701,9 +701,7 @@ def _identity(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return pid, f.read().rsplit(")", 1)[1].split()[19]
-    except FileNotFoundError:
-        return pid, None
-    except OSError:  # no /proc on this system
+    except OSError:  # the process is gone, or no /proc on this system
         return pid, None
 
 
