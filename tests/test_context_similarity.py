@@ -515,6 +515,46 @@ def _stats_equal_to_reference(res, percentile):
     return stats
 
 
+def test_stats_do_not_depend_on_the_thread_count_at_a_real_batch_size():
+    """Every statistic of a float32 batch at the corpus pass's shape (16 windows of 128
+    tokens, 6 layers, 12 heads) is the same bit for bit on 1 and 2 threads, with and
+    without per-window sums (the lanes run a batch on one thread, one batch at a time runs
+    it on all). The separator sums were one float32 GEMM over windows and keys, whose
+    rounding changed with the thread count (the bench's arrangement check caught it)."""
+    b, n_l, n_h, t, d, vocab = 16, 6, 12, 128, 8, 50
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(b, n_l, n_h, t, d, generator=gen)
+    attn = torch.softmax(4 * torch.randn(b, n_l, n_h, t, t, generator=gen), -1)
+    ids = torch.randint(5, vocab, (b, t), generator=gen)
+    ids[torch.rand(b, t, generator=gen) < 0.15] = 3  # separators of two kinds
+    ids[:, 0], ids[:, -1] = 1, 2
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[3, -20:] = 0
+    sent = torch.cumsum(ids == 3, 1)
+    sent[:, 0] = sent[:, -1] = -1
+    sent[mask == 0] = -1
+    content = ((mask == 1) & (sent >= 0)).to(attn.dtype)
+    received = torch.einsum("bq,blhqk->blhk", content.double(), attn.double()).float()
+    res = BatchResult(z, attn, ids, sent, mask, received_attention=received)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for per_window in (False, True):
+                results[threads, per_window] = SimilarityStats(
+                    n_l, n_h, t, vocab, percentile=5.0, attention_threshold=0.1,
+                    separators={"sep": 2, "dot": 3}, per_window=per_window).update(res)
+    finally:
+        torch.set_num_threads(before)
+    for per_window in (False, True):
+        want = results[1, per_window].tensors()
+        for name, value in results[2, per_window].tensors().items():
+            assert torch.equal(value, want[name]), (name, per_window)
+    assert torch.equal(results[1, False].tensors()["separator_attention"],
+                       results[1, True].tensors()["separator_attention"])
+
+
 @pytest.mark.parametrize("seed,percentile", [(0, 5.0), (1, 10.0), (2, 1.0)])
 def test_stats_equal_brute_force_reference(seed, percentile):
     res = _random_batch(seed)

@@ -339,8 +339,11 @@ class PairBatch:
         key_kind = self.separator_keys
         received = self.result.received_attention
         if received is not None:  # [B, L, H, T] from the forward pass
-            return torch.einsum("blht,bts->blhs", received.to(self.device),
-                                key_kind.to(received.dtype)).double()
+            # in float64 by a reduction over each window's keys, not a GEMM: a GEMM's
+            # summation order may follow the thread count (float32 MKL at [L H, T] x
+            # [T, S] did), and the statistics must not depend on how the batch was run
+            kind = key_kind.permute(0, 2, 1)[:, None, None].to(torch.float64)  # [B,1,1,S,T]
+            return (received.to(self.device, torch.float64).unsqueeze(3) * kind).sum(-1)
         # per layer, the sum over all query rows minus the rows of non-content queries
         inv_b, inv_q = (~self.valid).nonzero(as_tuple=True)
         per_layer = []
@@ -358,13 +361,11 @@ class PairBatch:
 
     @cached_property
     def separator_attention_total(self) -> torch.Tensor:
-        """[L, H, S] the sum over the batch of :attr:`separator_attention` (straight from
-        the received attention when there is no need for the window axis)."""
-        received = self.result.received_attention
-        if received is None or self.stats.per_window:
-            return self.separator_attention.sum(0)
-        return torch.einsum("blht,bts->lhs", received.to(self.device),
-                            self.separator_keys.to(received.dtype)).double()
+        """[L, H, S] the sum over the batch of :attr:`separator_attention` (window by
+        window, so that it is the same with and without ``per_window``; one einsum over
+        windows and keys at once was a float32 GEMM whose rounding changed with the
+        thread count)."""
+        return self.separator_attention.sum(0)
 
     @cached_property
     def chance_separator(self) -> torch.Tensor:
