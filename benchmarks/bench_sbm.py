@@ -39,6 +39,9 @@ the chapter's training workers (``companion.lra.experiments.keep_freed_memory``)
 without it.  The attention rows also report the edge path's time per edge against the
 memory-bandwidth bound of gathering one key and one value row per edge (``2 d`` float32
 per edge and head, at the bandwidth of a large tensor copy measured in the same worker).
+The step also reports its matrix-product FLOPs (``torch.utils.flop_counter``) for SBM and
+dense, the SBM sampler's seconds per step, and from them a floor of SBM / dense: the SBM
+GEMMs at the dense step's FLOP rate plus the sampler.
 
 Run: ``.venv/bin/python benchmarks/bench_sbm.py [--quick]``; writes
 ``benchmarks/results/sbm.json`` and ``sbm.md`` and prints the table.
@@ -300,6 +303,10 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
                                            lambda: models[name][0](tokens, generator=gen))
                 for name, gen in (("sbm", torch.Generator().manual_seed(seed + 3)),
                                   ("dense", None))}
+    flops = {name: step_gemm_flops(lambda: step(name)) for name in ("sbm", "dense")}
+    sampler_s = statistics.median(step_sampler_seconds(lambda: step("sbm"))
+                                  for _ in range(repeats))
+    flop_ratio = flops["sbm"] / flops["dense"]
     return {
         "batch": batch, "n": n, "clusters": clusters, "repeats": repeats, "threads": threads,
         "worker_heap": worker_heap, "worker_heap_set": heap_set,
@@ -307,8 +314,65 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
         "sbm_over_dense": med["sbm"] / med["dense"],
         "sbm_first_over_dense": med["sbm_first"] / med["dense"],
         "sbm_over_dense_cpu": med_cpu["sbm"] / med_cpu["dense"],
+        "gemm_flops_per_step": flops, "gemm_flops_sbm_over_dense": flop_ratio,
+        "sampler_s_per_step": sampler_s,
+        # the SBM step if its GEMMs ran at the dense step's FLOP rate (all of the dense
+        # step's time charged to its GEMMs) and only its sampler came on top
+        "floor_sbm_over_dense": flop_ratio + sampler_s / med["dense"],
         "load_average": os.getloadavg(),
     }
+
+
+def step_gemm_flops(step) -> int:
+    """Matrix-product FLOPs of one training ``step()``, by ``torch.utils.flop_counter``
+    (``mm``, ``addmm``, ``bmm``, ``baddbmm`` and SDPA with torch's formulas; the CPU flash
+    kernels, which it does not list, by its SDPA formulas: 2 products forward, 5 backward
+    with the recomputed scores).  Elementwise work, softmax and the sampler's numpy are not
+    counted."""
+    import torch
+    from torch.utils import flop_counter
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    aten = torch.ops.aten  # the counter wraps these to receive shapes
+    cpu_flash = {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_flash) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def step_sampler_seconds(step) -> float:
+    """Seconds one training ``step()`` spends in the SBM layers' sampler
+    (:func:`companion.sbm.fastrg.poisson_pair_counts` and ``fastrg_sample`` as the layer
+    calls them: the rates' GEMM, the uniforms and the Poisson inversion)."""
+    from companion.sbm import layer
+
+    spent = [0.0]
+    originals = {name: getattr(layer, name) for name in ("poisson_pair_counts",
+                                                          "fastrg_sample")}
+
+    def timed(function):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    try:
+        for name, function in originals.items():
+            setattr(layer, name, timed(function))
+        step()
+    finally:
+        for name, function in originals.items():
+            setattr(layer, name, function)
+    return spent[0]
 
 
 def step_dispatch_counts(step, forward) -> dict:
@@ -527,6 +591,10 @@ def _summarise(rows, sampler, step=None, bandwidth=None) -> dict:
         out["targets"]["n100_ci_step_sbm_over_dense (<= 1.5)"] = step["sbm_over_dense"]
         out["targets"]["n100_ci_step_first_implementation_over_dense"] = step[
             "sbm_first_over_dense"]
+        if "gemm_flops_sbm_over_dense" in step:
+            out["targets"]["n100_ci_step_gemm_flops_sbm_over_dense"] = step[
+                "gemm_flops_sbm_over_dense"]
+            out["targets"]["n100_ci_step_floor_sbm_over_dense"] = step["floor_sbm_over_dense"]
     for row in rows:
         e, dm, sd = row["edge"], row["dense_masked"], row["sdpa"]
         if _ok(e) and _ok(dm):
@@ -668,6 +736,18 @@ def _markdown(result) -> str:
                       f"SBM {counts['sbm']['autograd_nodes_per_forward']}, dense "
                       f"{counts['dense']['autograd_nodes_per_forward']} (numpy's work in "
                       "the SBM sampler is not a torch operator and is not counted)."]
+        if "gemm_flops_per_step" in first:
+            f = first["gemm_flops_per_step"]
+            lines += ["", f"Matrix-product FLOPs per step (torch.utils.flop_counter; dense "
+                      f"SDPA as its GEMMs, the backward's recomputed scores included): SBM "
+                      f"{f['sbm'] / 1e9:.3f} G, dense {f['dense'] / 1e9:.3f} G, ratio "
+                      f"{first['gemm_flops_sbm_over_dense']:.3f}. The SBM sampler takes "
+                      f"{1e3 * first['sampler_s_per_step']:.1f} ms per step "
+                      f"({first['threads']} thread(s)). Floor of SBM / dense, with the SBM "
+                      "GEMMs at the dense step's FLOP rate (all of its time charged to its "
+                      "GEMMs) and the sampler on top: "
+                      f"{first['floor_sbm_over_dense']:.2f}; measured "
+                      f"{first['sbm_over_dense']:.2f}."]
     lines += ["", "## Edge time against edges at fixed n (log-log slope; 1 = linear)", ""]
     for n, slope in s["edge_time_slope_vs_edges"].items():
         lines.append(f"- n = {n}: {slope:.2f}")

@@ -1,0 +1,93 @@
+"""What ``benchmarks/bench_sbm.py`` counts about one training step, against closed forms.
+
+:func:`step_gemm_flops` is the numerator and denominator of the step's FLOP ratio (issue 16's
+floor for SBM / dense), so it is held to the FLOPs of a matrix product and of attention
+written out by hand: ``2 M N K`` per product, ``4 b h s^2 d`` for attention's forward (two
+products) and ``10 b h s^2 d`` for its backward (five, with the recomputed scores). The CPU
+flash kernel is not in ``torch.utils.flop_counter``'s table; without the benchmark's own
+entries it would count as zero. :func:`step_sampler_seconds` must see the SBM layer's
+sampler calls and put the layer's functions back.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench_sbm():
+    sys.path.insert(0, str(BENCH))  # the script imports its neighbour results_io
+    try:
+        spec = importlib.util.spec_from_file_location("bench_sbm_under_test",
+                                                      BENCH / "bench_sbm.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,inner,outer", [(7, 5, 3), (64, 33, 1)])
+def test_linear_step_flops_are_three_products(bench_sbm, dtype, rows, inner, outer):
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(inner, outer, dtype=dtype)
+    x = torch.randn(rows, inner, dtype=dtype, generator=g, requires_grad=True)
+
+    def step():
+        layer(x).square().sum().backward()
+
+    # forward x W^T, backward grad W = g^T x and grad x = g W: three products of M N K
+    assert bench_sbm.step_gemm_flops(step) == 3 * 2 * rows * inner * outer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("b,h,s,d", [(2, 3, 17, 8), (1, 1, 1, 4)])
+def test_cpu_flash_attention_step_flops(bench_sbm, dtype, b, h, s, d):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, generator=g, requires_grad=True)
+               for _ in range(3))
+
+    def step():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # the dense model's CPU kernel
+            torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    assert bench_sbm.step_gemm_flops(step) == (4 + 10) * b * h * s * s * d
+
+
+def test_empty_step_has_no_flops(bench_sbm):
+    assert bench_sbm.step_gemm_flops(lambda: None) == 0
+
+
+def test_sampler_seconds_sees_the_layer_sampler_and_restores_it(bench_sbm):
+    from companion.sbm import SBMAttention, layer
+
+    before = (layer.poisson_pair_counts, layer.fastrg_sample)
+    torch.manual_seed(0)
+    attention = SBMAttention(head_dim=4, num_heads=2, num_clusters=3)
+    q = torch.randn(2, 2, 9, 4)
+    calls = []
+
+    def step():
+        calls.append(len(calls))
+        attention(q, q, q, generator=torch.Generator().manual_seed(0))
+
+    assert bench_sbm.step_sampler_seconds(step) > 0.0
+    assert bench_sbm.step_sampler_seconds(lambda: None) == 0.0
+    assert calls == [0]
+    assert (layer.poisson_pair_counts, layer.fastrg_sample) == before
+
+    def failing():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        bench_sbm.step_sampler_seconds(failing)
+    assert (layer.poisson_pair_counts, layer.fastrg_sample) == before
