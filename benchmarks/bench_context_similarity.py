@@ -31,7 +31,9 @@ clock and process CPU time. The target (issue 16: full <= 1.05 x the fastest bar
 forward) is judged on the median over repeats of full over the fastest baseline of the
 same repeat (whichever it was there), in wall clock and, beside it, in process CPU
 time: with more runnable threads than cores (a shared machine) wall clock includes the
-waits for a core, CPU time is the work. The load average is recorded per repeat. Writes
+waits for a core, CPU time is the work. The load average is recorded per repeat. The
+matrix-product FLOPs of one batch (``flop_counts.py``) of full, full without the early
+stop and the bare forwards are recorded beside the times. Writes
 ``benchmarks/results/context_similarity.json`` and ``.md``; exits 1 when the statistics
 differ.
 
@@ -67,6 +69,7 @@ from companion.context_similarity import (
 from companion.context_similarity.corpus import _in_lanes
 from companion.corpora import load_corpus, windows
 from bench_context_similarity_corpus import same
+from flop_counts import matrix_product_flops
 from results_io import write_results
 
 TARGET = 1.05  # issue 16, target 3: full analysis <= 1.05 x the fastest bare forward
@@ -365,6 +368,19 @@ def main(argv=None) -> int:
                  "full_one_thread": same(outputs["full"], one_thread),
                  "full_whole_forward": same(outputs["full"], outputs["full_whole_forward"])}
     del outputs, one_thread
+    # the matrix products of one batch: the analysis one batch at a time (the counter sees
+    # this thread only; lanes run the same products) and the bare forwards
+    one_batch = wins[:bs]
+    flops = {
+        "full": matrix_product_flops(lambda: analyse_corpus(
+            model, one_batch, tokenizer=tokenizer, batch_size=bs, progress=False,
+            settings=CaptureSettings(lanes=1))),
+        "full_whole_forward": matrix_product_flops(lambda: analyse_corpus(
+            model, one_batch, tokenizer=tokenizer, batch_size=bs, progress=False,
+            settings=CaptureSettings(lanes=1, stop_after_last_attention=False))),
+        "bare": matrix_product_flops(lambda: bare_forward(user_model, one_batch, bs)),
+        "bare_eager": matrix_product_flops(lambda: bare_forward(model, one_batch, bs)),
+    }
     load_before = os.getloadavg()
     times = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
@@ -446,6 +462,8 @@ def main(argv=None) -> int:
         "ratio_full_over_fastest_bare_cpu_time": ratio_cpu,
         "ratio_full_over_fastest_bare_cpu_time_per_repeat": per_repeat_cpu,
         "identical_statistics": identical,
+        "matrix_product_flops_per_window": {k: v / len(one_batch) for k, v in flops.items()},
+        "flops_full_over_bare": flops["full"] / flops["bare"],
         "load_average_before_after": [load_before, load_after],
         "load_average_per_repeat": loads,
         "target": TARGET,
@@ -497,7 +515,16 @@ def main(argv=None) -> int:
               f"times {against['full'][fastest]['of_best']:.3f}; CPU time `{fastest_cpu}`, "
               f"ratio of medians {against_cpu['full'][fastest_cpu]['of_medians']:.3f}. "
               "Statistics identical to "
-              "`full`'s: " + ", ".join(f"{k} {v}" for k, v in identical.items()) + "."]
+              "`full`'s: " + ", ".join(f"{k} {v}" for k, v in identical.items()) + ".",
+              "", "Matrix-product FLOPs per window (`benchmarks/flop_counts.py`, one batch "
+              f"of {len(one_batch)}): " + ", ".join(
+                  f"{k} {v / len(one_batch) / 1e9:.3f} G" for k, v in flops.items())
+              + f"; full / bare {flops['full'] / flops['bare']:.3f}, full_whole_forward / "
+              f"bare {flops['full_whole_forward'] / flops['bare']:.3f} (the analysis's own "
+              "products on the whole forward; the early stop takes the last layer's W_O, "
+              "feed-forward block and pooler off). Where full / bare is at most 1, the "
+              "time full spends above the bare forward is work no product counts "
+              "(softmax, the top-pair selection, copies into the buffers)."]
     write_results("context_similarity", result, "\n".join(lines) + "\n")
     return 0 if all(identical.values()) else 1
 

@@ -252,6 +252,7 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
     from companion.lra.model import LRAClassifier
     from companion.lra.train import TrainConfig
     from companion.sbm import FastRGTuning, density_regularizer
+    from flop_counts import matrix_product_flops
 
     heap_set = False
     if worker_heap:
@@ -303,7 +304,7 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
                                            lambda: models[name][0](tokens, generator=gen))
                 for name, gen in (("sbm", torch.Generator().manual_seed(seed + 3)),
                                   ("dense", None))}
-    flops = {name: step_gemm_flops(lambda: step(name)) for name in ("sbm", "dense")}
+    flops = {name: matrix_product_flops(lambda: step(name)) for name in ("sbm", "dense")}
     sampler_s = statistics.median(step_sampler_seconds(lambda: step("sbm"))
                                   for _ in range(repeats))
     flop_ratio = flops["sbm"] / flops["dense"]
@@ -321,29 +322,6 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
         "floor_sbm_over_dense": flop_ratio + sampler_s / med["dense"],
         "load_average": os.getloadavg(),
     }
-
-
-def step_gemm_flops(step) -> int:
-    """Matrix-product FLOPs of one training ``step()``, by ``torch.utils.flop_counter``
-    (``mm``, ``addmm``, ``bmm``, ``baddbmm`` and SDPA with torch's formulas; the CPU flash
-    kernels, which it does not list, by its SDPA formulas: 2 products forward, 5 backward
-    with the recomputed scores).  Elementwise work, softmax and the sampler's numpy are not
-    counted."""
-    import torch
-    from torch.utils import flop_counter
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_flop_count(query, key, value)
-
-    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
-
-    aten = torch.ops.aten  # the counter wraps these to receive shapes
-    cpu_flash = {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-                 aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_flash) as counter:
-        step()
-    return counter.get_total_flops()
 
 
 def step_sampler_seconds(step) -> float:

@@ -1,15 +1,17 @@
-"""What ``benchmarks/bench_sbm.py`` counts about one training step, against closed forms.
+"""What the benchmarks count besides time, against closed forms.
 
-:func:`step_gemm_flops` is the numerator and denominator of the step's FLOP ratio (issue 16's
-floor for SBM / dense), so it is held to the FLOPs of a matrix product and of attention
+``benchmarks/flop_counts.py``'s :func:`matrix_product_flops` gives the numerators and
+denominators of the benchmarks' FLOP floors (issue 16: SBM / dense training step, context
+similarity / bare forward), so it is held to the FLOPs of a matrix product and of attention
 written out by hand: ``2 M N K`` per product, ``4 b h s^2 d`` for attention's forward (two
 products) and ``10 b h s^2 d`` for its backward (five, with the recomputed scores). The CPU
 flash kernel is not in ``torch.utils.flop_counter``'s table; without the benchmark's own
-entries it would count as zero. :func:`step_sampler_seconds` must see the SBM layer's
-sampler calls and put the layer's functions back.
+entries it would count as zero. ``bench_sbm.py``'s :func:`step_sampler_seconds` must see the
+SBM layer's sampler calls and put the layer's functions back.
 """
 from __future__ import annotations
 
+import doctest
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,12 +22,11 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def bench_sbm():
-    sys.path.insert(0, str(BENCH))  # the script imports its neighbour results_io
+def _load(name):
+    sys.path.insert(0, str(BENCH))  # a script imports its neighbours (results_io)
     try:
-        spec = importlib.util.spec_from_file_location("bench_sbm_under_test",
-                                                      BENCH / "bench_sbm.py")
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test",
+                                                      BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
@@ -33,9 +34,24 @@ def bench_sbm():
     return module
 
 
+@pytest.fixture(scope="module")
+def bench_sbm():
+    return _load("bench_sbm")
+
+
+@pytest.fixture(scope="module")
+def flops():
+    return _load("flop_counts").matrix_product_flops
+
+
+def test_flop_counts_example():
+    result = doctest.testmod(_load("flop_counts"))
+    assert result.attempted >= 1 and result.failed == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows,inner,outer", [(7, 5, 3), (64, 33, 1)])
-def test_linear_step_flops_are_three_products(bench_sbm, dtype, rows, inner, outer):
+def test_linear_step_flops_are_three_products(flops, dtype, rows, inner, outer):
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(inner, outer, dtype=dtype)
     x = torch.randn(rows, inner, dtype=dtype, generator=g, requires_grad=True)
@@ -44,12 +60,12 @@ def test_linear_step_flops_are_three_products(bench_sbm, dtype, rows, inner, out
         layer(x).square().sum().backward()
 
     # forward x W^T, backward grad W = g^T x and grad x = g W: three products of M N K
-    assert bench_sbm.step_gemm_flops(step) == 3 * 2 * rows * inner * outer
+    assert flops(step) == 3 * 2 * rows * inner * outer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("b,h,s,d", [(2, 3, 17, 8), (1, 1, 1, 4)])
-def test_cpu_flash_attention_step_flops(bench_sbm, dtype, b, h, s, d):
+def test_cpu_flash_attention_step_flops(flops, dtype, b, h, s, d):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator().manual_seed(1)
@@ -60,11 +76,16 @@ def test_cpu_flash_attention_step_flops(bench_sbm, dtype, b, h, s, d):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # the dense model's CPU kernel
             torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
 
-    assert bench_sbm.step_gemm_flops(step) == (4 + 10) * b * h * s * s * d
+    assert flops(step) == (4 + 10) * b * h * s * s * d
 
 
-def test_empty_step_has_no_flops(bench_sbm):
-    assert bench_sbm.step_gemm_flops(lambda: None) == 0
+def test_inference_and_empty_calls(flops):
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 4, 6, generator=g), torch.randn(3, 6, 5, generator=g)
+    with torch.inference_mode():
+        assert flops(lambda: torch.bmm(a, b)) == 2 * 3 * 4 * 6 * 5
+    assert flops(lambda: torch.bmm(a[:0], b[:0])) == 0
+    assert flops(lambda: None) == 0
 
 
 def test_sampler_seconds_sees_the_layer_sampler_and_restores_it(bench_sbm):
