@@ -305,8 +305,9 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
                 for name, gen in (("sbm", torch.Generator().manual_seed(seed + 3)),
                                   ("dense", None))}
     flops = {name: matrix_product_flops(lambda: step(name)) for name in ("sbm", "dense")}
-    sampler_s = statistics.median(step_sampler_seconds(lambda: step("sbm"))
+    sampler_s = statistics.median(step_in_sampler(lambda: step("sbm"))
                                   for _ in range(repeats))
+    sampler_flops = step_in_sampler(lambda: step("sbm"), "flops")
     flop_ratio = flops["sbm"] / flops["dense"]
     return {
         "batch": batch, "n": n, "clusters": clusters, "repeats": repeats, "threads": threads,
@@ -316,26 +317,37 @@ def step_worker(repeats: int = 15, seed: int = 0, threads: int = 1,
         "sbm_first_over_dense": med["sbm_first"] / med["dense"],
         "sbm_over_dense_cpu": med_cpu["sbm"] / med_cpu["dense"],
         "gemm_flops_per_step": flops, "gemm_flops_sbm_over_dense": flop_ratio,
-        "sampler_s_per_step": sampler_s,
-        # the SBM step if its GEMMs ran at the dense step's FLOP rate (all of the dense
-        # step's time charged to its GEMMs) and only its sampler came on top
-        "floor_sbm_over_dense": flop_ratio + sampler_s / med["dense"],
+        "sampler_s_per_step": sampler_s, "sampler_gemm_flops_per_step": sampler_flops,
+        # the SBM step if its GEMMs outside the sampler ran at the dense step's FLOP rate
+        # (all of the dense step's time charged to its GEMMs) and its sampler, whose time
+        # includes the rates' GEMMs, came on top
+        "floor_sbm_over_dense": ((flops["sbm"] - sampler_flops) / flops["dense"]
+                                 + sampler_s / med["dense"]),
         "load_average": os.getloadavg(),
     }
 
 
-def step_sampler_seconds(step) -> float:
-    """Seconds one training ``step()`` spends in the SBM layers' sampler
+def step_in_sampler(step, measure: str = "seconds") -> float:
+    """What one training ``step()`` spends in the SBM layers' sampler
     (:func:`companion.sbm.fastrg.poisson_pair_counts` and ``fastrg_sample`` as the layer
-    calls them: the rates' GEMM, the uniforms and the Poisson inversion)."""
+    calls them: the rates' GEMM, the uniforms and the Poisson inversion): its
+    ``"seconds"``, or the ``"flops"`` of its matrix products (the rates' GEMMs, which
+    :func:`flop_counts.matrix_product_flops` of the whole step counts too)."""
     from companion.sbm import layer
+    from flop_counts import matrix_product_flops
 
+    if measure not in ("seconds", "flops"):
+        raise ValueError(f"measure: expected 'seconds' or 'flops', got {measure!r}")
     spent = [0.0]
     originals = {name: getattr(layer, name) for name in ("poisson_pair_counts",
                                                           "fastrg_sample")}
 
-    def timed(function):
+    def measured(function):
         def call(*args, **kwargs):
+            if measure == "flops":
+                out = []
+                spent[0] += matrix_product_flops(lambda: out.append(function(*args, **kwargs)))
+                return out[0]
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
@@ -345,7 +357,7 @@ def step_sampler_seconds(step) -> float:
 
     try:
         for name, function in originals.items():
-            setattr(layer, name, timed(function))
+            setattr(layer, name, measured(function))
         step()
     finally:
         for name, function in originals.items():
@@ -721,9 +733,11 @@ def _markdown(result) -> str:
                       f"{f['sbm'] / 1e9:.3f} G, dense {f['dense'] / 1e9:.3f} G, ratio "
                       f"{first['gemm_flops_sbm_over_dense']:.3f}. The SBM sampler takes "
                       f"{1e3 * first['sampler_s_per_step']:.1f} ms per step "
-                      f"({first['threads']} thread(s)). Floor of SBM / dense, with the SBM "
-                      "GEMMs at the dense step's FLOP rate (all of its time charged to its "
-                      "GEMMs) and the sampler on top: "
+                      f"({first['threads']} thread(s)), its rates' GEMMs "
+                      f"{first['sampler_gemm_flops_per_step'] / 1e9:.3f} G of the SBM "
+                      "FLOPs. Floor of SBM / dense, with the SBM GEMMs outside the sampler "
+                      "at the dense step's FLOP rate (all of its time charged to its "
+                      "GEMMs) and the sampler's time on top: "
                       f"{first['floor_sbm_over_dense']:.2f}; measured "
                       f"{first['sbm_over_dense']:.2f}."]
     lines += ["", "## Edge time against edges at fixed n (log-log slope; 1 = linear)", ""]

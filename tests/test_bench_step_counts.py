@@ -6,8 +6,9 @@ similarity / bare forward), so it is held to the FLOPs of a matrix product and o
 written out by hand: ``2 M N K`` per product, ``4 b h s^2 d`` for attention's forward (two
 products) and ``10 b h s^2 d`` for its backward (five, with the recomputed scores). The CPU
 flash kernel is not in ``torch.utils.flop_counter``'s table; without the benchmark's own
-entries it would count as zero. ``bench_sbm.py``'s :func:`step_sampler_seconds` must see the
-SBM layer's sampler calls and put the layer's functions back.
+entries it would count as zero. ``bench_sbm.py``'s :func:`step_in_sampler` must see the
+SBM layer's sampler calls (their time, and their FLOPs: ``G n m k`` multiply-adds for the
+rates ``(Qhat S) Khat^T``) and put the layer's functions back.
 """
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def bench_sbm():
-    return _load("bench_sbm")
+    sys.path.insert(0, str(BENCH))  # its functions import their neighbour flop_counts
+    try:
+        yield _load("bench_sbm")
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +106,19 @@ def test_sampler_seconds_sees_the_layer_sampler_and_restores_it(bench_sbm):
         calls.append(len(calls))
         attention(q, q, q, generator=torch.Generator().manual_seed(0))
 
-    assert bench_sbm.step_sampler_seconds(step) > 0.0
-    assert bench_sbm.step_sampler_seconds(lambda: None) == 0.0
+    assert bench_sbm.step_in_sampler(step) > 0.0
+    assert bench_sbm.step_in_sampler(lambda: None) == 0.0
     assert calls == [0]
+    # batch 2, heads 2, n = m = 9, k = 3: one [9, 3] @ [3, 9] product per group
+    assert bench_sbm.step_in_sampler(step, "flops") == 2 * (2 * 2) * 9 * 9 * 3
+    assert calls == [0, 1]
+    with pytest.raises(ValueError, match="measure: expected"):
+        bench_sbm.step_in_sampler(step, "bytes")
     assert (layer.poisson_pair_counts, layer.fastrg_sample) == before
 
     def failing():
         raise RuntimeError("step failed")
 
     with pytest.raises(RuntimeError, match="step failed"):
-        bench_sbm.step_sampler_seconds(failing)
+        bench_sbm.step_in_sampler(failing)
     assert (layer.poisson_pair_counts, layer.fastrg_sample) == before
