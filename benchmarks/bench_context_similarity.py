@@ -333,8 +333,8 @@ def main(argv=None) -> int:
     bs = args.batch_size
     threads = torch.get_num_threads()
 
-    def full(**settings):
-        return lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
+    def full(of=wins, **settings):
+        return lambda: analyse_corpus(model, of, tokenizer=tokenizer, batch_size=bs,
                                       progress=False, settings=CaptureSettings(**settings))
 
     # the bare forward of the same batches, every arrangement on this machine's threads
@@ -371,16 +371,12 @@ def main(argv=None) -> int:
     # the matrix products of one batch: the analysis one batch at a time (the counter sees
     # this thread only; lanes run the same products) and the bare forwards
     one_batch = wins[:bs]
-    flops = {
-        "full": matrix_product_flops(lambda: analyse_corpus(
-            model, one_batch, tokenizer=tokenizer, batch_size=bs, progress=False,
-            settings=CaptureSettings(lanes=1))),
-        "full_whole_forward": matrix_product_flops(lambda: analyse_corpus(
-            model, one_batch, tokenizer=tokenizer, batch_size=bs, progress=False,
-            settings=CaptureSettings(lanes=1, stop_after_last_attention=False))),
-        "bare": matrix_product_flops(lambda: bare_forward(user_model, one_batch, bs)),
-        "bare_eager": matrix_product_flops(lambda: bare_forward(model, one_batch, bs)),
-    }
+    flops = {name: matrix_product_flops(call) for name, call in (
+        ("full", full(one_batch, lanes=1)),
+        ("full_whole_forward", full(one_batch, lanes=1, stop_after_last_attention=False)),
+        ("bare", lambda: bare_forward(user_model, one_batch, bs)),
+        ("bare_eager", lambda: bare_forward(model, one_batch, bs)))}
+    flops_full_over_bare = flops["full"] / flops["bare"]
     load_before = os.getloadavg()
     times = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
@@ -463,7 +459,7 @@ def main(argv=None) -> int:
         "ratio_full_over_fastest_bare_cpu_time_per_repeat": per_repeat_cpu,
         "identical_statistics": identical,
         "matrix_product_flops_per_window": {k: v / len(one_batch) for k, v in flops.items()},
-        "flops_full_over_bare": flops["full"] / flops["bare"],
+        "flops_full_over_bare": flops_full_over_bare,
         "load_average_before_after": [load_before, load_after],
         "load_average_per_repeat": loads,
         "target": TARGET,
@@ -519,7 +515,7 @@ def main(argv=None) -> int:
               "", "Matrix-product FLOPs per window (`benchmarks/flop_counts.py`, one batch "
               f"of {len(one_batch)}): " + ", ".join(
                   f"{k} {v / len(one_batch) / 1e9:.3f} G" for k, v in flops.items())
-              + f"; full / bare {flops['full'] / flops['bare']:.3f}, full_whole_forward / "
+              + f"; full / bare {flops_full_over_bare:.3f}, full_whole_forward / "
               f"bare {flops['full_whole_forward'] / flops['bare']:.3f} (the analysis's own "
               "products on the whole forward; the early stop takes the last layer's W_O, "
               "feed-forward block and pooler off). Where full / bare is at most 1, the "

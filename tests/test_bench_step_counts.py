@@ -23,25 +23,24 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def bench_on_path():
+    """The scripts import their neighbours (results_io, flop_counts), also when called."""
+    sys.path.insert(0, str(BENCH))
+    yield
+    sys.path.remove(str(BENCH))
+
+
 def _load(name):
-    sys.path.insert(0, str(BENCH))  # a script imports its neighbours (results_io)
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_under_test",
-                                                      BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
 def bench_sbm():
-    sys.path.insert(0, str(BENCH))  # its functions import their neighbour flop_counts
-    try:
-        yield _load("bench_sbm")
-    finally:
-        sys.path.remove(str(BENCH))
+    return _load("bench_sbm")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,7 @@ def test_inference_and_empty_calls(flops):
     assert flops(lambda: None) == 0
 
 
-def test_sampler_seconds_sees_the_layer_sampler_and_restores_it(bench_sbm):
+def test_step_in_sampler_sees_the_layer_sampler_and_restores_it(bench_sbm):
     from companion.sbm import SBMAttention, layer
 
     before = (layer.poisson_pair_counts, layer.fastrg_sample)
