@@ -982,6 +982,71 @@ def test_sbm_attention_pair_grid_is_bit_identical_to_int64_counts(dtype, duplica
         assert torch.equal(g0, g1)
 
 
+def _count_attention_clamped_only(q, k, v, weights, absent_bias, scale):
+    """The count attention's forward as it was up to 905e8a0: exponents clamped at -80
+    everywhere, so an absent pair kept ``u = exp(-80) / Z`` (the reference for the
+    present pairs' numbers)."""
+    acc = weights.dtype
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    u = torch.baddbmm(absent_bias, qa, ka.transpose(1, 2).contiguous(), alpha=scale)
+    u.sub_(u.amax(-1, keepdim=True)).clamp_(min=-80.0).exp_()
+    total = torch.mul(u, weights).sum(-1, keepdim=True)
+    u.mul_(torch.where(total > 0, 1.0 / total, torch.zeros_like(total)))
+    attn = u * weights
+    out = torch.bmm(attn, va)
+    return out.to(q.dtype), (qa, ka, va, weights, u, attn, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("present_given", [False, True])
+def test_count_attention_absent_pairs_are_exact_zeros(dtype, present_given):
+    """The count attention sets ``u = 0`` on absent pairs (it was exp(-80) / Z, which the
+    backward turned into subnormal numbers, slow on Intel processors): the output, the
+    attention and every gradient the layer uses (q, k, v, and the weights' gradient on the
+    present pairs, the only ones the straight-through rule passes on) are those of the
+    former clamp-only formula bit for bit, signs of zero included, and the absent pairs'
+    gradients are exact zeros (where the former made subnormal numbers). Odd sizes, a row without any pair, counts up to 3,
+    scores far apart (some present pairs below the -80 clamp)."""
+    from companion.sbm.layer import _count_attention_backward, _count_attention_forward
+
+    gen = torch.Generator().manual_seed(4)
+    groups, n, m, d = 3, 7, 11, 5
+    q = torch.randn(groups, n, d, generator=gen, dtype=dtype) * 6
+    k = torch.randn(groups, m, d, generator=gen, dtype=dtype) * 6
+    v = torch.randn(groups, m, d, generator=gen, dtype=dtype)
+    weights = torch.randint(0, 4, (groups, n, m), generator=gen).to(dtype)
+    weights *= torch.rand(groups, n, m, generator=gen, dtype=dtype) < 0.4
+    weights[1, 2] = 0  # a query without pairs: a zero row
+    absent_bias = weights.clamp(max=1.0).sub_(1.0).mul_(1e30)
+    present = weights.clamp(max=1.0) if present_given else None
+    scale = d ** -0.5
+    out, saved = _count_attention_forward(q, k, v, weights, absent_bias, scale, present)
+    out0, saved0 = _count_attention_clamped_only(q, k, v, weights, absent_bias, scale)
+    u, u0 = saved[4], saved0[4]
+    # the test means something: pairs below the clamp, and absent pairs that were tiny
+    s = torch.baddbmm(absent_bias, q, k.transpose(1, 2), alpha=scale)
+    below = (s - s.amax(-1, keepdim=True) < -80) & (weights > 0)
+    assert below.any() and (u0[weights == 0] > 0).any()
+    assert torch.equal(out, out0) and torch.equal(saved[5], saved0[5])
+    assert torch.equal(u[weights > 0], u0[weights > 0]) and not u[weights == 0].any()
+    grad_out = torch.randn(groups, n, d, generator=gen, dtype=dtype) * 1e-3
+    grads = _count_attention_backward(saved, grad_out, scale, (dtype,) * 3)
+    grads0 = _count_attention_backward(saved0, grad_out, scale, (dtype,) * 3)
+    for name, g, g0 in zip(("q", "k", "v"), grads, grads0):
+        assert torch.equal(g, g0) and torch.equal(g.signbit(), g0.signbit()), name
+    grad_w, grad_w0 = grads[3], grads0[3]
+    assert torch.equal(grad_w[weights > 0], grad_w0[weights > 0])
+    assert torch.equal(grads[4], grads0[4]) and torch.equal(grads[4].signbit(),
+                                                              grads0[4].signbit())
+    # on the absent pairs exact zeros now (a present pair far below its row's maximum
+    # may still give a subnormal number: rare, and the same as before)
+    assert not grad_w[weights == 0].any() and not grads[4][weights == 0].any()
+    if dtype == torch.float32:  # where the former formula made subnormal numbers
+        tiny = torch.finfo(dtype).tiny
+        absent = grad_w0[weights == 0]
+        assert ((absent != 0) & (absent.abs() < tiny)).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_sbm_parameters_on_projection_views_equal_contiguous_copies(dtype):
     """SBMAttention copies q and k to contiguous before the MLP (3483a16 ran the MLP on
