@@ -1005,8 +1005,9 @@ def test_count_attention_absent_pairs_are_exact_zeros(dtype, present_given):
     attention and every gradient the layer uses (q, k, v, and the weights' gradient on the
     present pairs, the only ones the straight-through rule passes on) are those of the
     former clamp-only formula bit for bit, signs of zero included, and the absent pairs'
-    gradients are exact zeros (where the former made subnormal numbers). Odd sizes, a row without any pair, counts up to 3,
-    scores far apart (some present pairs below the -80 clamp)."""
+    gradients are exact zeros (where the former made subnormal numbers). Odd sizes, a row
+    without any pair, counts up to 3, scores far apart (some present pairs below the -80
+    clamp)."""
     from companion.sbm.layer import _count_attention_backward, _count_attention_forward
 
     gen = torch.Generator().manual_seed(4)
