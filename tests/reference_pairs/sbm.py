@@ -107,9 +107,9 @@ def _count_attention(q, k, v, mask):
     groups = q[..., 0, 0].numel()
     acc = torch.promote_types(q.dtype, torch.float32)
     weights = mask.reshape(groups, n, m).to(acc)
-    absent_bias = (weights.detach() > 0).to(acc).sub_(1.0).mul_(1e30)
+    present = (weights.detach() > 0).to(acc)
     out = _CountAttention.apply(q.reshape(groups, n, d), k.reshape(groups, m, d),
-                                v.reshape(groups, m, -1), weights, absent_bias, d**-0.5)
+                                v.reshape(groups, m, -1), weights, present, d**-0.5)
     return out.reshape(*lead, n, -1)
 
 

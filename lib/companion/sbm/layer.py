@@ -173,16 +173,17 @@ class _CountAttention(torch.autograd.Function):
     forward and backward (``u``, ``a``, the per-row correction ``<dout_i, out_i>``),
     with dense GEMMs in float32 or wider.
 
-    ``absent_bias`` is ``-1e30`` where ``w_ij = 0`` and 0 elsewhere, so that the row
-    maximum is taken over the present pairs, as the edge path does (a boolean mask is
-    several times slower here than the fused add).  Exponents are clamped at -80: the
-    exponential's subnormal range is about ten times slower, and ``exp(-80) < 2e-35``
-    is far below the row's largest term ``exp(0) = 1``; ``u`` is then set to 0 on the
-    absent pairs (no subnormal numbers in the backward)."""
+    ``present`` is 1.0 where ``w_ij > 0`` and 0.0 elsewhere. From it the scores get the
+    bias :func:`_absent_bias`, ``-1e30`` on the absent pairs, so that the row maximum is
+    taken over the present pairs, as the edge path does (a boolean mask is several times
+    slower here than the fused add).  Exponents are clamped at -80: the exponential's
+    subnormal range is about ten times slower, and ``exp(-80) < 2e-35`` is far below the
+    row's largest term ``exp(0) = 1``; ``u`` is then set to 0 on the absent pairs (no
+    subnormal numbers in the backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, weights, absent_bias, scale):
-        out, saved = _count_attention_forward(q, k, v, weights, absent_bias, scale)
+    def forward(ctx, q, k, v, weights, present, scale):
+        out, saved = _count_attention_forward(q, k, v, weights, present, scale)
         ctx.save_for_backward(*saved)
         ctx.scale, ctx.dtypes = scale, (q.dtype, k.dtype, v.dtype)
         return out
@@ -195,20 +196,25 @@ class _CountAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_w, None, None
 
 
-def _count_attention_forward(q, k, v, weights, absent_bias, scale, present=None):
+def _absent_bias(present: torch.Tensor) -> torch.Tensor:
+    """``-1e30`` where ``present`` is 0.0 and ``+0`` where it is 1.0: ``(present - 1)
+    1e30``, two float passes (zeros_like + masked_fill_(w == 0) took about 15 times as
+    long here: the bool compare alone about 3 float passes); the same numbers, signs of
+    zero included."""
+    return present.sub(1.0).mul_(1e30)
+
+
+def _count_attention_forward(q, k, v, weights, present, scale):
     """:class:`_CountAttention`'s forward: the output (in ``q``'s dtype) and the tensors
-    its backward reads. ``present`` (1.0 where a pair is present, 0.0 where absent; None:
-    read off ``absent_bias``) zeroes the absent pairs' ``u``."""
+    its backward reads. ``present``: 1.0 where a pair is present, 0.0 where absent."""
     acc = weights.dtype
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     # a contiguous K^T: bmm with a transposed second operand took about twice as
     # long here (float32 results bit-identical on the shapes tried)
-    u = torch.baddbmm(absent_bias, qa, transposed_copy(ka), alpha=scale)
+    u = torch.baddbmm(_absent_bias(present), qa, transposed_copy(ka), alpha=scale)
     u.sub_(u.amax(-1, keepdim=True)).clamp_(min=-80.0).exp_()
     total = torch.mul(u, weights).sum(-1, keepdim=True)
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    if present is None:  # 0 -> 1.0 and -1e30 -> 0.0, exactly
-        present = absent_bias.clamp(min=-1.0).add_(1.0)
     # u_ij = exp(s_ij - max) / Z_i, a_ij = w_ij u_ij; u_ij = 0 on absent pairs. Left at
     # exp(-80) / Z_i there, the backward's dL/dw = u (...) made subnormal numbers of them,
     # and on processors that take a microcode assist per subnormal operand (Intel's)
@@ -247,9 +253,9 @@ class _PairGridAttention(torch.autograd.Function):
     as the three nodes, bit for bit, with two ``[G, n, m]`` passes and buffers fewer."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qs, km, counts, absent_bias, scale, present):
+    def forward(ctx, q, k, v, qs, km, counts, present, scale):
         ctx.set_materialize_grads(False)
-        out, saved = _count_attention_forward(q, k, v, counts, absent_bias, scale, present)
+        out, saved = _count_attention_forward(q, k, v, counts, present, scale)
         ctx.save_for_backward(qs, km, *saved)
         ctx.scale, ctx.dtypes = scale, (q.dtype, k.dtype, v.dtype)
         return out, counts.sum((1, 2))
@@ -274,7 +280,7 @@ class _PairGridAttention(torch.autograd.Function):
             grad_qs = torch.bmm(grad_p, km)
         if ctx.needs_input_grad[4]:
             grad_km = torch.bmm(grad_p.transpose(1, 2), qs)
-        return grad_q, grad_k, grad_v, grad_qs, grad_km, None, None, None, None
+        return grad_q, grad_k, grad_v, grad_qs, grad_km, None, None, None
 
 
 class SBMAttention(nn.Module):
@@ -496,17 +502,14 @@ class SBMAttention(nn.Module):
             counts = counts.clamp_(max=1)
         weights = counts.reshape(num_groups, n, m)
         qs2 = qs.reshape(num_groups, n, -1)
-        # -1e30 where a pair is absent, else +0: (min(w, 1) - 1) 1e30 for counts w >= 0,
-        # three float passes (zeros_like + masked_fill_(w == 0) took about 15 times as
-        # long here: the bool compare alone about 3 float passes); the same numbers
-        # (and min(w, 1) itself is 1.0 where a pair is present: the counts are integers)
+        # 1.0 where a pair is present, 0.0 where absent: min(w, 1), one float pass, as
+        # the counts are integers w >= 0
         present = weights.clamp(max=1.0)
-        absent_bias = present.sub(1.0).mul_(1e30)
         # straight-through counts, count attention and their sums in one node
         out, sums = _PairGridAttention.apply(
             q.reshape(num_groups, n, -1), k.reshape(num_groups, m, -1),
             v.reshape(num_groups, m, -1), qs2, k_membership.reshape(num_groups, m, -1),
-            weights, absent_bias, 1.0 / math.sqrt(self.head_dim), present)
+            weights, present, 1.0 / math.sqrt(self.head_dim))
         out = out.reshape(batch, heads, n, -1)
         pairs = (valid_counts[0] * valid_counts[1]).clamp(min=1).to(qs2.dtype)  # [B]
         density = sums.to(qs2.dtype).reshape(batch, heads) / pairs[:, None]
