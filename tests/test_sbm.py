@@ -840,11 +840,13 @@ def _poisson_by_inversion_one_pass_at_a_time(rates, rng):
 
 
 def test_poisson_by_inversion_is_bit_identical_to_one_pass_at_a_time():
-    """The inversion with its first pass over every candidate gives the counts of the
-    pass-at-a-time loop bit for bit, as int64 and as float32 / float64 numbers, and
-    leaves the stream where that loop left it: empty, zero, tiny, small, mixed and large
-    rates (through the switch to numpy's sampler above 16)."""
-    from companion.sbm.fastrg import _poisson_by_inversion
+    """The inversion with its first pass over every candidate, in blocks of rates, gives
+    the counts of the pass-at-a-time loop over all the rates at once bit for bit, as
+    int64 and as float32 / float64 numbers, and leaves the stream where that loop left
+    it: empty, zero, tiny, small, mixed and large rates (through the switch to numpy's
+    sampler above 16, whose rates may fall in several blocks), in the default block, an
+    odd one and (for the short cases) one rate per block."""
+    from companion.sbm.fastrg import _INVERSION_BLOCK, _poisson_by_inversion
 
     gen = np.random.Generator(np.random.PCG64(5))
     cases = [np.zeros(0), np.zeros(7), np.full(1000, 1e-12), gen.uniform(0, 1e-8, 999),
@@ -855,12 +857,16 @@ def test_poisson_by_inversion_is_bit_identical_to_one_pass_at_a_time():
         for seed in range(3):
             old = np.random.Generator(np.random.PCG64(seed))
             want = _poisson_by_inversion_one_pass_at_a_time(rates, old)
+            blocks = (_INVERSION_BLOCK, 997) + ((1,) if rates.size <= 1000 else ())
             for dtype in (np.int64, np.float32, np.float64):
-                new = np.random.Generator(np.random.PCG64(seed))
-                got = _poisson_by_inversion(rates, new, dtype)
-                assert got.dtype == dtype
-                assert np.array_equal(got, want.astype(dtype))
-                assert new.bit_generator.state == old.bit_generator.state
+                for block in blocks:
+                    new = np.random.Generator(np.random.PCG64(seed))
+                    got = _poisson_by_inversion(rates, new, dtype, block)
+                    assert got.dtype == dtype
+                    assert np.array_equal(got, want.astype(dtype)), (rates.size, block)
+                    assert new.bit_generator.state == old.bit_generator.state
+    with pytest.raises(ValueError, match="block"):
+        _poisson_by_inversion(np.ones(3), np.random.Generator(np.random.PCG64(0)), block=0)
 
 
 def test_poisson_by_inversion_reads_float32_rates_as_their_float64_copies():
@@ -876,11 +882,11 @@ def test_poisson_by_inversion_reads_float32_rates_as_their_float64_copies():
     for rates in cases:
         rates32 = rates.astype(np.float32)
         for seed in range(3):
-            for dtype in (np.int64, np.float32):
+            for dtype, block in ((np.int64, 1 << 16), (np.float32, 1 << 16), (np.int64, 997)):
                 old = np.random.Generator(np.random.PCG64(seed))
-                want = _poisson_by_inversion(rates32.astype(np.float64), old, dtype)
+                want = _poisson_by_inversion(rates32.astype(np.float64), old, dtype, block)
                 new = np.random.Generator(np.random.PCG64(seed))
-                got = _poisson_by_inversion(rates32, new, dtype)
+                got = _poisson_by_inversion(rates32, new, dtype, block)
                 assert got.dtype == dtype and np.array_equal(got, want)
                 assert new.bit_generator.state == old.bit_generator.state
 

@@ -34,6 +34,9 @@ CPU_POISSON_SOURCES = ("inversion", "torch")
 # rates above this get numpy's own Poisson sampler (transformed rejection) instead of
 # inversion, whose number of passes grows with the rate
 _INVERSION_MAX_RATE = 16.0
+# rates per block of the inversion (:func:`_poisson_by_inversion`): its uniforms (512 KiB
+# of float64) and its passes' arrays within a core's L2 cache
+_INVERSION_BLOCK = 1 << 16
 # count dtypes the inversion writes directly (others are converted from int64)
 _NUMPY_COUNT_DTYPES = {torch.int64: np.int64, torch.float32: np.float32,
                        torch.float64: np.float64}
@@ -660,7 +663,7 @@ class _RandomSource:
 
 
 def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
-                          dtype=np.int64) -> np.ndarray:
+                          dtype=np.int64, block: int = _INVERSION_BLOCK) -> np.ndarray:
     """Independent ``Poisson(rates)`` counts from one PCG64 uniform per rate.
 
     Inversion: the count is the least ``c`` with ``u < F(c) = sum_{i <= c} e^{-r}
@@ -668,43 +671,76 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     >= 1 - r`` decides most zero counts of small rates without an exponential (``u < 1 -
     r``).  The first pass runs over every remaining rate (most of them have a count of at
     least one), the later ones over the rates still undecided.  Rates above 16 (many
-    passes) take numpy's own sampler instead, after the uniforms, so the stream stays in a
-    fixed order.  Exact up to float64 rounding of ``F`` (about ``1e-16`` in probability).
-    ``dtype``: of the counts (int64, or a float dtype that holds them as numbers).
-    ``rates``: float64, or float32 (read as their exact float64 values: the counts of
-    ``rates.astype(np.float64)`` bit for bit, without that copy).
+    passes) take numpy's own sampler instead, after all the uniforms, so the stream stays
+    in a fixed order.  Exact up to float64 rounding of ``F`` (about ``1e-16`` in
+    probability).
+
+    The rates are taken ``block`` at a time (:func:`_invert_block`): the same uniforms
+    in the same order and the same arithmetic per rate, so the counts do not depend on
+    ``block``, but the dozen passes of a block over its rates, uniforms and partial sums
+    stay in a core's cache.  At 2**16 (512 KiB of uniforms), on a 2 MiB-L2 Xeon: 640,000
+    float32 rates near 0.25 (the ci model's pair grid) in 3.4 against 4.0 ms, 2**20
+    rates near 1.6 (fastRG's cells at n = 4096, 5 %) in 19 against 32 ms.
+
+    Parameters
+    ----------
+    rates : 1-D float64, or float32 (read as their exact float64 values: the counts of
+        ``rates.astype(np.float64)`` bit for bit, without that copy).
+    rng : the PCG64 generator the uniforms come from.
+    dtype : of the counts (int64, or a float dtype that holds them as numbers).
+    block : rates per block, at least 1.
 
     >>> rng = np.random.Generator(np.random.PCG64(0))
     >>> _poisson_by_inversion(np.array([0.0, 0.5, 40.0]), rng).dtype
     dtype('int64')
     """
-    u = rng.random(rates.size)
+    block = check_int("block", block, minimum=1)
+    counts = np.empty(rates.size, dtype)
+    u = np.empty(min(block, rates.size))
+    large = []
+    for start in range(0, rates.size, block):
+        stop = min(start + block, rates.size)
+        uniforms = u[:stop - start]
+        rng.random(out=uniforms)
+        found = _invert_block(rates[start:stop], uniforms, counts[start:stop])
+        if found is not None:
+            large.append(found + start)
+    if large:
+        where = np.concatenate(large)  # in index order, as one pass over all rates gave
+        counts[where] = rng.poisson(rates[where])
+    return counts
+
+
+def _invert_block(rates: np.ndarray, u: np.ndarray, counts: np.ndarray):
+    """:func:`_poisson_by_inversion` on one block: writes ``counts`` (a view of the
+    block's counts) from the block's uniforms ``u`` (consumed), except at rates above
+    16, whose positions in the block it returns (None if there is none)."""
     # u < 1 - r <= e^{-r}: count 0; 1 - r in float64 for float32 rates too (of their
     # exact float64 copies: a plain cast and an in-place subtract, about three times
     # faster here than numpy's mixed-dtype subtract)
     one_minus = rates.astype(np.float64)
     np.subtract(1.0, one_minus, out=one_minus)
-    candidate = u >= one_minus
+    candidate = np.greater_equal(u, one_minus)
     del one_minus
     live = np.flatnonzero(candidate)
     # pass 1 below writes the count 1 of every candidate whose u >= F(0); most are (at
     # r = 0.25, 88 %), so every candidate starts at 1 and the others are set back to 0
-    counts = candidate.astype(dtype)
+    counts[...] = candidate
     del candidate
     r = rates.take(live).astype(np.float64, copy=False)
     # every rate above the limit is a candidate (1 - r < 0 <= u), so the candidates'
     # maximum decides whether there is one (a quarter of the rates at r = 0.25, not all)
-    has_large = bool(r.size) and not r.max() <= _INVERSION_MAX_RATE
-    large = rates > _INVERSION_MAX_RATE if has_large else None
-    if has_large:
-        small = np.flatnonzero(~large.take(live))
+    large = None
+    if r.size and not r.max() <= _INVERSION_MAX_RATE:
+        is_large = r > _INVERSION_MAX_RATE
+        large = live[is_large]
+        small = np.flatnonzero(~is_large)
         live, r = live.take(small), r.take(small)
     term = np.exp(-r)
     rest = u.take(live)
     rest -= term  # u - F(0)
-    del u
     # pass 1 over every candidate: counts >= 1 where u >= F(0), else 0 (the large rates'
-    # 1 is overwritten by their own sampler below)
+    # 1 is overwritten by their own sampler)
     counts[live.take(np.flatnonzero(rest < 0))] = 0
     passes = 1
     term *= r
@@ -721,9 +757,7 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
         term *= r
         term /= passes
         rest -= term
-    if has_large:
-        counts[large] = rng.poisson(rates[large])
-    return counts
+    return large
 
 
 def _append_self_loops(group, query, key, num_groups, n):
