@@ -528,6 +528,38 @@ def test_stable_argsort_matches_torch_sort():
         torch.testing.assert_close(stable_argsort(keys, bound), torch.sort(keys, stable=True)[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, F64, torch.bool,
+                                   torch.bfloat16])
+def test_repeat_each_equals_repeat_interleave(dtype):
+    """repeat_each gives torch.repeat_interleave's tensor, bit for bit (dtype, values,
+    signs of zero): int64 and int32 repeats, zero repeats, an empty input, a strided
+    view, a tensor that requires grad (torch's path, still differentiable), bfloat16
+    (numpy has none: torch's path); a wrong ``total`` is refused on numpy's path."""
+    from companion.sbm.graph_attention import repeat_each
+
+    g = torch.Generator().manual_seed(26)
+    values = torch.randn(2 * 333, generator=g).mul(100)
+    values[::5] = -0.0
+    values = values.to(dtype)
+    for rep_dtype in (torch.int64, torch.int32):
+        reps = torch.randint(0, 4, (2 * 333,), generator=g).to(rep_dtype)
+        for v, r in ((values, reps), (values[::2], reps[1::2]), (values[:0], reps[:0])):
+            want = v.repeat_interleave(r)
+            got = repeat_each(v, r, int(r.sum()))
+            assert got.dtype == want.dtype and torch.equal(got, want)
+            if dtype.is_floating_point:
+                assert torch.equal(torch.signbit(got), torch.signbit(want))
+            assert torch.equal(repeat_each(v, r), want)
+    if dtype.is_floating_point:
+        leaf = values[:5].clone().requires_grad_(True)
+        out = repeat_each(leaf, torch.tensor([1, 0, 2, 1, 3]))
+        out.sum().backward()
+        assert torch.equal(leaf.grad, torch.tensor([1.0, 0, 2, 1, 3], dtype=dtype))
+    if dtype != torch.bfloat16:
+        with pytest.raises(ValueError, match="total"):
+            repeat_each(values[:3], torch.tensor([1, 1, 1]), 4)
+
+
 def test_edge_attention_bad_input():
     q = torch.randn(1, 1, 4, 3)
     kv = torch.randn(1, 1, 5, 3)

