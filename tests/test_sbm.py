@@ -560,6 +560,37 @@ def test_repeat_each_equals_repeat_interleave(dtype):
             repeat_each(values[:3], torch.tensor([1, 1, 1]), 4)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_transposed_csr_is_the_stable_column_order(index_dtype):
+    """EdgeGraph's transposed CSR (scipy's counting sort on CPU) against torch's stable
+    sort of the columns: the permutation, the column pointers and each edge's row, for
+    graphs with empty rows and columns, repeated pairs, edges given unsorted, one edge
+    and none; int32 indices and int64 ones."""
+    from companion.sbm.graph_attention import EdgeGraph
+
+    g = torch.Generator().manual_seed(27)
+    for groups, n, m, num_edges in ((3, 7, 5, 60), (2, 40, 33, 9), (1, 1, 1, 1), (2, 3, 4, 0)):
+        group = torch.randint(0, groups, (num_edges,), generator=g)
+        query = torch.randint(0, n, (num_edges,), generator=g)
+        key = torch.randint(0, m, (num_edges,), generator=g)
+        key[: num_edges // 3] = 0  # one crowded column per group
+        graph = EdgeGraph(group, query, key, groups, n, m)
+        graph.index_dtype = index_dtype
+        graph.col, graph.crow = graph.col.to(index_dtype), graph.crow.to(index_dtype)
+        order = graph.order if graph.order is not None else torch.arange(num_edges)
+        row = (group * n + query)[order]
+        col = (group * m + key)[order]
+        assert torch.equal(graph.col, col.to(index_dtype))
+        perm, crow_t, row_t = graph._transposed_csr()
+        want = torch.sort(col, stable=True).indices
+        counts = torch.bincount(col, minlength=groups * m)
+        assert perm.dtype == crow_t.dtype == row_t.dtype == index_dtype
+        assert torch.equal(perm, want.to(index_dtype))
+        assert torch.equal(crow_t, torch.cat([torch.zeros(1, dtype=torch.int64),
+                                              counts.cumsum(0)]).to(index_dtype))
+        assert torch.equal(row_t, row[want].to(index_dtype))
+
+
 def test_edge_attention_bad_input():
     q = torch.randn(1, 1, 4, 3)
     kv = torch.randn(1, 1, 5, 3)

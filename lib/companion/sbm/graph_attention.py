@@ -117,8 +117,8 @@ class EdgeGraph:
     permutation (``sorted[e] = given[order[e]]``).  The transposed (column-major) CSR,
     needed for gradients of keys and values, is built on first use.
 
-    Memory: two indices per edge (two more once transposed), int32 when they fit, and
-    ``O(G (n + m))``.
+    Memory: two indices per edge (one on CPU; two more once transposed), int32 when they
+    fit, and ``O(G (n + m))``.
     """
 
     def __init__(self, group, query, key, num_groups, n, m):
@@ -141,8 +141,9 @@ class EdgeGraph:
         bounds = torch.arange(self.num_rows + 1, device=device, dtype=row.dtype)
         self.crow = torch.searchsorted(row, bounds).to(self.index_dtype)
         self.counts = self.crow.diff()
-        # each edge's row, kept for the transposed CSR of the backward pass
-        self.row = row.to(self.index_dtype)
+        # each edge's row, kept for the transposed CSR of the backward pass (on CPU that
+        # is built from the CSR itself, see _transposed_csr)
+        self.row = row.to(self.index_dtype) if device.type != "cpu" else None
         del row, bounds
         self._transpose = None
 
@@ -169,15 +170,8 @@ class EdgeGraph:
     def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
         """The transposed ``[G m, G n]`` CSR matrix with ``values`` (given row-major)."""
         if self._transpose is None:
-            device, idx = self.col.device, self.index_dtype
-            perm = stable_argsort(self.col, self.num_cols).to(idx)
-            counts_t = torch.bincount(self.col, minlength=self.num_cols)
-            crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=device)
-            torch.cumsum(counts_t, 0, out=crow_t[1:])
-            # index_select, not advanced indexing: several times faster on CPU here
-            row_t = self.row.index_select(0, perm)
+            self._transpose = self._transposed_csr()
             self.row = None  # only the transpose needed it: free it before the peak
-            self._transpose = (perm, crow_t, row_t)
         perm, crow_t, row_t = self._transpose
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -188,6 +182,35 @@ class EdgeGraph:
                 size=(self.num_cols, self.num_rows),
                 check_invariants=False,
             )
+
+    def _transposed_csr(self):
+        """``(perm, crow_t, row_t)``: the edges' stable column-major order (``perm[t]`` is
+        the row-major position of transposed edge ``t``), the column pointers, and the
+        row of every edge in that order."""
+        idx = self.index_dtype
+        if self.col.device.type == "cpu":
+            import numpy as np
+            import scipy.sparse
+
+            # scipy's CSR -> CSC conversion is a counting sort over the columns that keeps
+            # the row order within a column: with the edge numbers as values it gives the
+            # stable column order, the column pointers and the rows in one O(E + G m)
+            # pass (12 against 30 ms for radix argsort, bincount and gather at 1.7 M edges
+            # here), and needs no per-edge row index
+            numbers = np.arange(self.num_edges, dtype=np.int32 if idx == torch.int32 else np.int64)
+            csc = scipy.sparse.csr_matrix(
+                (numbers, self.col.numpy(), self.crow.numpy()),
+                shape=(self.num_rows, self.num_cols),
+            ).tocsc()
+            del numbers
+            return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(idx)
+                         for a in (csc.data, csc.indptr, csc.indices))
+        perm = stable_argsort(self.col, self.num_cols).to(idx)
+        counts_t = torch.bincount(self.col, minlength=self.num_cols)
+        crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=self.col.device)
+        torch.cumsum(counts_t, 0, out=crow_t[1:])
+        # index_select, not advanced indexing: several times faster on CPU here
+        return perm, crow_t, self.row.index_select(0, perm)
 
     def sddmm(self, x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         """``[E]``: ``alpha <x[row_e], y[col_e]>`` for every edge (sampled dense-dense
