@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 
 # its old home: still importable from here until tests/test_bad_inputs.py imports it from
@@ -62,8 +63,6 @@ def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64, device=keys.device)
     if keys.device.type != "cpu":
         return torch.sort(keys, stable=True).indices
-    import numpy as np
-
     values = keys.numpy()
     bits = max(1, (max(int(bound), 2) - 1).bit_length())
     perm = None
@@ -99,13 +98,33 @@ def repeat_each(values: torch.Tensor, repeats: torch.Tensor,
             and values.dim() == 1 and repeats.dim() == 1 and values.dtype in _NUMPY_DTYPES
             and not (values.requires_grad or values.is_neg() or values.is_conj()
                      or torch.jit.is_tracing() or torch.compiler.is_compiling())):
-        import numpy as np
-
         out = torch.from_numpy(np.repeat(values.numpy(), repeats.numpy()))
         if total is not None and out.numel() != total:
             raise ValueError(f"total: expected sum(repeats) = {out.numel()}, got {total}")
         return out
     return values.repeat_interleave(repeats, output_size=total)
+
+
+def _flat_index(index: torch.Tensor, group: torch.Tensor, size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``group * size + index`` as ``dtype`` (int32 or int64, holding every value). On
+    CPU by numpy, written straight into ``dtype``: about twice as fast here as torch's
+    integer add with ``alpha`` and its conversion."""
+    if index.device.type != "cpu":
+        return torch.add(index, group, alpha=size).to(dtype)
+    out = np.empty(index.numel(), dtype=np.int32 if dtype == torch.int32 else np.int64)
+    np.multiply(group.numpy(), size, out=out, casting="unsafe")
+    np.add(out, index.numpy(), out=out, casting="unsafe")
+    return torch.from_numpy(out)
+
+
+def _is_sorted(x: torch.Tensor) -> bool:
+    """Whether the 1-D ``x`` is non-decreasing (numpy on CPU: about three times faster
+    here than torch's compare and ``all``)."""
+    if x.device.type == "cpu":
+        values = x.numpy()
+        return bool(np.all(values[1:] >= values[:-1]))
+    return bool((x[1:] >= x[:-1]).all())
 
 
 class EdgeGraph:
@@ -126,24 +145,24 @@ class EdgeGraph:
         self.num_rows, self.num_cols = num_groups * n, num_groups * m
         self.num_edges = group.numel()
         device = group.device
-        row = torch.add(query, group, alpha=n)  # group * n + query in one pass
         # int32 indices halve the index memory whenever they fit
         fits = max(self.num_rows, self.num_cols, self.num_edges) < 2**31 - 1
         self.index_dtype = torch.int32 if fits else torch.int64
+        row = _flat_index(query, group, n, self.index_dtype)
         self.order = None
-        if self.num_edges > 1 and not bool((row[1:] >= row[:-1]).all()):
+        if self.num_edges > 1 and not _is_sorted(row):
             self.order = stable_argsort(row, self.num_rows)
             row = row[self.order]
-            self.col = torch.add(key, group, alpha=m)[self.order].to(self.index_dtype)
+            self.col = _flat_index(key, group, m, self.index_dtype)[self.order]
         else:
-            self.col = torch.add(key, group, alpha=m).to(self.index_dtype)
+            self.col = _flat_index(key, group, m, self.index_dtype)
         # rows are sorted: row r's edges start at the first edge whose row is >= r
         bounds = torch.arange(self.num_rows + 1, device=device, dtype=row.dtype)
         self.crow = torch.searchsorted(row, bounds).to(self.index_dtype)
         self.counts = self.crow.diff()
         # each edge's row, kept for the transposed CSR of the backward pass (on CPU that
         # is built from the CSR itself, see _transposed_csr)
-        self.row = row.to(self.index_dtype) if device.type != "cpu" else None
+        self.row = row if device.type != "cpu" else None
         del row, bounds
         self._transpose = None
 
@@ -189,7 +208,6 @@ class EdgeGraph:
         row of every edge in that order."""
         idx = self.index_dtype
         if self.col.device.type == "cpu":
-            import numpy as np
             import scipy.sparse
 
             # scipy's CSR -> CSC conversion is a counting sort over the columns that keeps
