@@ -1142,12 +1142,14 @@ def test_sbm_parameters_on_projection_views_equal_contiguous_copies(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1, 1), (2, 0, 3), (4, 13, 2)])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1, 1), (2, 0, 3), (4, 13, 2), (2, 128, 3),
+                                   (3, 300, 5), (1, 257, 0)])
 def test_transposed_copy_equals_torch_transpose_contiguous(dtype, shape):
-    """transposed_copy (numpy's strided copy on CPU) is ``x.transpose(1, 2).contiguous()``
-    bit for bit, from contiguous, strided and negated-view inputs (odd and empty sizes;
-    float16 takes torch's copy), contiguous itself, never sharing the input's memory, and
-    without grad for an input that requires it."""
+    """transposed_copy (numpy's strided copy on CPU, in tiles of rows past 128) is
+    ``x.transpose(1, 2).contiguous()`` bit for bit, from contiguous, strided and
+    negated-view inputs (odd and empty sizes, one tile and a last partial one; float16
+    takes torch's copy), contiguous itself, never sharing the input's memory, and without
+    grad for an input that requires it."""
     from companion.sbm.fastrg import transposed_copy
 
     g = torch.Generator().manual_seed(2)
