@@ -609,6 +609,10 @@ class _KeyTable:
                 self.accept = weights.to(torch.float64).div_(scale).reshape(-1)
         rows = torch.arange(groups, device=device)[:, None, None] * kc
         rows = (rows + torch.arange(kc, device=device)) * m
+        # int32 where every offset fits: half the memory (one entry per cell, and per edge
+        # once repeated), the same numbers
+        if groups * kc * m < 2**31:
+            rows = rows.to(torch.int32)
         self.cell_base = rows.expand(groups, n, kc).reshape(-1)
 
     def draw(self, base: torch.Tensor, draws: _RandomSource) -> torch.Tensor:
