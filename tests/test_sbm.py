@@ -591,6 +591,34 @@ def test_transposed_csr_is_the_stable_column_order(index_dtype):
         assert torch.equal(row_t, row[want].to(index_dtype))
 
 
+@pytest.mark.parametrize("base_dtype", [torch.int64, torch.int32])
+def test_rejection_draw_numpy_equals_torch_kernels(base_dtype):
+    """The key draw by rejection in numpy's kernels (the CPU default) gives the keys of
+    the same algorithm in torch's kernels on the same numpy uniforms, bit for bit, and
+    leaves the stream in the same place: widths 1, 7 and 300, tables with zero and
+    one entries, no draw, one draw, many."""
+    from companion.sbm.fastrg import _RandomSource, _rejection_draw, _rejection_draw_torch
+
+    g = torch.Generator().manual_seed(28)
+    for rows, width, draws_n in ((3, 1, 50), (4, 7, 0), (4, 7, 1), (5, 300, 20000)):
+        accept = torch.rand(rows, width, generator=g, dtype=F64)
+        accept[:, 0] = 1.0  # every row can accept
+        if width > 1:
+            accept[:, 1] = 0.0  # a column never accepted
+        accept = accept.reshape(-1)
+        base = (torch.randint(0, rows, (draws_n,), generator=g) * width).to(base_dtype)
+        keys = []
+        for draw in (_rejection_draw, _rejection_draw_torch):
+            source = _RandomSource(torch.device("cpu"), torch.Generator().manual_seed(3),
+                                   "numpy")
+            keys.append((draw(accept, width, base, source), source.rng.bit_generator.state))
+        (got, state_got), (want, state_want) = keys
+        assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
+        assert state_got == state_want
+        if width > 1 and draws_n:
+            assert not bool((got == 1).any()) and int(got.max()) < width
+
+
 def test_edge_attention_bad_input():
     q = torch.randn(1, 1, 4, 3)
     kv = torch.randn(1, 1, 5, 3)

@@ -851,6 +851,16 @@ def _rejection_draw(
     look-up per proposal and no table to search, expected ``max / mean`` proposals per
     draw (about two for sigmoid memberships; with ``key_draw="auto"`` the caller bounds it
     by falling back to :func:`_search_rows` for skewed rows)."""
+    if draws.rng is not None and accept.device.type == "cpu":
+        return torch.from_numpy(
+            _rejection_draw_numpy(accept.numpy(), width, base.numpy(), draws.rng))
+    return _rejection_draw_torch(accept, width, base, draws)
+
+
+def _rejection_draw_torch(
+    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource
+) -> torch.Tensor:
+    """:func:`_rejection_draw` in torch's kernels (CUDA, or torch's CPU uniforms)."""
     out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
     pending = None  # indices into out still to draw (None: all of them)
     while base.numel():
@@ -873,6 +883,31 @@ def _rejection_draw(
         base = base.index_select(0, rejected)
     return out
 
+
+def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
+                          rng: np.random.Generator) -> np.ndarray:
+    """:func:`_rejection_draw` on CPU with numpy's uniforms, in numpy's kernels: the same
+    operations on the same uniforms as :func:`_rejection_draw_torch` (so the same keys,
+    bit for bit), about a quarter faster per round here (fewer conversions between the
+    two libraries' arrays, numpy's ``take`` for the look-ups and the compaction)."""
+    out = np.empty(base.size, dtype=np.int64)
+    pending = None  # indices into out still to draw (None: all of them)
+    while base.size:
+        x = rng.random(base.size)
+        x *= width
+        col = x.astype(np.int64)  # truncation, as torch's conversion
+        np.minimum(col, width - 1, out=col)
+        x -= col  # the coin
+        rejected = np.flatnonzero(x >= accept.take(col + base))
+        del x
+        if pending is None:
+            out[...] = col
+            pending = rejected
+        else:
+            out[pending] = col
+            pending = pending.take(rejected)
+        base = base.take(rejected)
+    return out
 
 
 def _groups(q_membership, s, k_membership):
