@@ -619,6 +619,23 @@ def test_rejection_draw_numpy_equals_torch_kernels(base_dtype):
             assert not bool((got == 1).any()) and int(got.max()) < width
 
 
+def test_key_table_row_sums_of_the_float64_copy_equal_the_float64_sums():
+    """The key table's acceptance (the ``auto`` choice between rejection and search)
+    sums the rows of its contiguous float64 copy of the weights: the numbers of
+    ``weights.sum(1, dtype=float64)``, which it summed before, bit for bit (widths 1 to
+    8195, both thread settings the book uses)."""
+    g = torch.Generator().manual_seed(29)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows, width in ((3, 1), (7, 13), (64, 100), (256, 4096), (5, 8195)):
+                w = torch.sigmoid(torch.randn(rows, width, generator=g) * 3)
+                assert torch.equal(w.to(F64).sum(1), w.sum(1, dtype=F64))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_edge_attention_bad_input():
     q = torch.randn(1, 1, 4, 3)
     kv = torch.randn(1, 1, 5, 3)
