@@ -426,7 +426,8 @@ def transposed_copy(x: torch.Tensor) -> torch.Tensor:
 
     On CPU (float32 / float64) by numpy's strided copy: at [64, 100, 32] on one thread
     74 against 110 us for torch's transposing copy (this 2-core machine, load 2.7); the
-    same numbers (a copy). For the GEMMs' second operands, which ran about twice as fast
+    same numbers (a copy). Past 128 rows, in tiles of 128 rows (a tenth of the time of
+    one sweep at [2, 8192, 128]). For the GEMMs' second operands, which ran about twice as fast
     contiguous as transposed. Always a copy, never a view of ``x`` (``.contiguous()``
     returns ``x`` itself when a size-1 dimension makes the transpose contiguous). Tensors
     numpy cannot read (negative or conjugate views) and traced or compiled calls take
@@ -582,8 +583,8 @@ class _KeyTable:
         device = km_block.device
         # a view of k_membership whenever the block holds one group (the size-1 dim lets
         # reshape skip the copy): read only. Several groups: the contiguous copy reshape
-        # would make, by transposed_copy (the same numbers; [2, 8192, 128] float32 in 5
-        # against 16 ms here)
+        # would make, by transposed_copy (the same numbers, in a tenth of the time at
+        # [2, 8192, 128])
         if groups == 1:
             weights = km_block.transpose(1, 2).reshape(kc, m)
         else:
@@ -704,7 +705,8 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     ``block``, but the dozen passes of a block over its rates, uniforms and partial sums
     stay in a core's cache.  At 2**16 (512 KiB of uniforms), on a 2 MiB-L2 Xeon: 640,000
     float32 rates near 0.25 (the ci model's pair grid) in 3.4 against 4.0 ms, 2**20
-    rates near 1.6 (fastRG's cells at n = 4096, 5 %) in 19 against 32 ms.
+    exponential rates of mean 1.6 (fastRG's cells at n = 4096, 5 %, have mean 1.6) in
+    19 against 32 ms.
 
     Parameters
     ----------
