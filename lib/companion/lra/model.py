@@ -8,7 +8,9 @@ learned position embedding, ``num_layers`` pre-LN encoder blocks
 ``FFN = Linear(dim, ffn) -> GELU -> Dropout -> Linear(ffn, dim)``), a final LayerNorm,
 mean pooling over the non-padding positions and a classifier
 ``Linear(dim, ffn) -> ReLU -> Linear(ffn, classes)``. Defaults: 2 layers, 2 heads, head
-size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters.
+size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters. Dropout is
+:class:`companion.lra.dropout.Dropout`: torch's numbers, with its CPU masks drawn from
+PCG64 (about 2.5 times faster than torch's; same law).
 
 The attention of every block is either
 
@@ -32,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from companion._validate import check_bool, check_choice, check_int, check_number, check_tensor
+from companion.lra.dropout import Dropout
 from companion.sbm import SBMAttention
 
 ATTENTIONS = ("sbm", "dense")
@@ -107,9 +110,9 @@ class EncoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, **factory)
         self.attn = MultiHeadAttention(dim, heads, head_dim, **attn_kwargs)
         self.norm2 = nn.LayerNorm(dim, **factory)
-        self.ffn = nn.Sequential(nn.Linear(dim, ffn, **factory), nn.GELU(), nn.Dropout(dropout),
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn, **factory), nn.GELU(), Dropout(dropout),
                                  nn.Linear(ffn, dim, **factory))
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
 
     def forward(self, x, valid=None, *, generator=None):
         a, density = self.attn(self.norm1(x), valid, generator=generator)
@@ -173,7 +176,7 @@ class LRAClassifier(nn.Module):
         self.pos = nn.Parameter(torch.empty(seq_len, dim, **factory))
         nn.init.normal_(self.pos, std=0.02)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
         self.blocks = nn.ModuleList(
             EncoderBlock(dim, heads, head_dim, ffn, dropout, attention=attention,
                          num_clusters=num_clusters, duplicates=duplicates,
