@@ -280,6 +280,26 @@ def test_loglog_slope_recovers_a_power_law():
     assert lo <= slope <= hi and abs(slope - 1) < 0.05
 
 
+def test_loglog_slope_paired_rounds_absorb_a_slow_round():
+    """Timings in rounds (one call at every x per round) with two rounds 4x slower at
+    every x: resampling whole rounds keeps the interval tight around the true slope,
+    resampling each x's repeats on its own does not."""
+    import numpy as np
+
+    from companion.lra.experiments import loglog_slope
+
+    rng = np.random.default_rng(1)
+    x = np.array([1e3, 1e4, 1e5, 1e6, 1e7])
+    rounds = np.array([4.0, 4.0, 1.0, 1.0, 1.0])
+    times = 2e-7 * x[:, None] * rounds * rng.uniform(0.97, 1.03, (5, 5))
+    slope, (lo, hi) = loglog_slope(x, times, reps=400, paired=True)
+    assert lo <= slope <= hi and abs(slope - 1) < 0.03 and hi - lo < 0.05
+    _, (lo_u, hi_u) = loglog_slope(x, times, reps=400)
+    assert hi_u - lo_u > 2 * (hi - lo)
+    with pytest.raises(TypeError, match="paired"):
+        loglog_slope(x, times, paired="yes")
+
+
 def test_run_jobs_in_worker_processes_matches_one_process():
     from companion.lra.experiments import TrainJob, run_jobs
 

@@ -33,7 +33,7 @@ import multiprocessing
 import numpy as np
 import torch
 
-from companion._validate import check_int
+from companion._validate import check_bool, check_int
 from companion.lra.model import LRAClassifier
 from companion.lra.train import TrainConfig, TrainResult, train
 
@@ -486,15 +486,33 @@ def peak_memory(fn) -> float | None:
         return None
 
 
-def loglog_slope(x, times, *, reps: int = 1000, seed: int = 0):
-    """Least-squares slope of ``log(median time)`` on ``log x`` and a bootstrap interval
-    resampling, at every ``x``, its repeated timings (``times`` is ``[len(x), R]``)."""
+def loglog_slope(x, times, *, reps: int = 1000, seed: int = 0, paired: bool = False):
+    """Least-squares slope of ``log(median time)`` on ``log x`` and a bootstrap interval.
+
+    ``times`` is ``[len(x), R]``: ``R`` repeated timings at every ``x``. The bootstrap
+    resamples, at every ``x``, its own repeats; with ``paired`` it resamples whole columns
+    instead, the same ``R`` indices for every ``x``: for timings taken in rounds (column
+    ``r`` is round ``r``, one call at every ``x``), where a slow spell of the machine
+    falls on one round at every ``x`` and so shifts the medians but hardly the slope.
+
+    >>> x = np.array([1e3, 1e4, 1e5])
+    >>> slow_round = np.array([1.0, 1.0, 5.0, 1.0, 1.0])  # round 3: 5x slower everywhere
+    >>> times = 1e-6 * x[:, None] * slow_round
+    >>> slope, interval = loglog_slope(x, times, reps=200, paired=True)
+    >>> round(slope, 6), [round(v, 6) for v in interval]
+    (1.0, [1.0, 1.0])
+    """
+    paired = check_bool("paired", paired)
     x = np.log(np.asarray(x, float))
     t = np.asarray(times, float)
     fit = lambda tt: float(np.polyfit(x, np.log(np.median(tt, axis=1)), 1)[0])  # noqa: E731
     rng = np.random.default_rng(seed)
     r = t.shape[1]
-    vals = [fit(np.take_along_axis(t, rng.integers(0, r, t.shape), axis=1)) for _ in range(reps)]
+    if paired:
+        vals = [fit(t[:, rng.integers(0, r, r)]) for _ in range(reps)]
+    else:
+        vals = [fit(np.take_along_axis(t, rng.integers(0, r, t.shape), axis=1))
+                for _ in range(reps)]
     return fit(t), (float(np.quantile(vals, 0.025)), float(np.quantile(vals, 0.975)))
 
 
