@@ -22,7 +22,6 @@ import argparse
 import os
 import platform
 import statistics
-import time
 
 import torch
 
@@ -31,6 +30,7 @@ from companion.lra.dropout import Dropout, dropout
 from companion.lra.experiments import keep_freed_memory
 from companion.lra.model import LRAClassifier
 from companion.sbm import density_regularizer
+from companion.timing import call_seconds
 from results_io import write_results
 
 
@@ -40,11 +40,8 @@ def _median_pair(a, b, repeats):
     a(), b()
     ta, tb = [], []
     for r in range(repeats):
-        for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
-            fn, out = (a, ta) if name == "a" else (b, tb)
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+        for fn, out in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
+            out.append(call_seconds(fn, repeats=1, warmup=0))
     return statistics.median(ta), statistics.median(tb)
 
 

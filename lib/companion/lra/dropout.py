@@ -92,21 +92,6 @@ def reference_dropout(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Te
     return x * noise
 
 
-class _MaskedScale(torch.autograd.Function):
-    """``x * noise`` with the backward ``grad * noise`` (``noise`` a constant)."""
-
-    @staticmethod
-    def forward(ctx, x, noise):
-        ctx.save_for_backward(noise)
-        return x * noise
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        (noise,) = ctx.saved_tensors
-        return grad * noise, None
-
-
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
     """Inverted dropout of ``x`` (see the module docstring): ``x`` itself when not
@@ -146,7 +131,8 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *,
     # is 0 or 1 / (1 - p) rounded to the dtype), in one pass: keep * that quotient
     scale = np_dtype(1.0) / np_dtype(1.0 - p)
     noise = np.multiply(keep, scale, dtype=np_dtype)
-    return _MaskedScale.apply(x, torch.from_numpy(noise).reshape(x.shape))
+    # a constant factor: autograd's product rule gives the gradient grad * noise
+    return x * torch.from_numpy(noise).reshape(x.shape)
 
 
 class Dropout(nn.Module):
