@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from companion.book import myst, runner
 from companion.book.runner import ChapterError, run_chapter
@@ -141,6 +142,22 @@ SAFETY_DEADLINE = 300.0
 def _cli(project, *args, **kw):
     return subprocess.run([sys.executable, "-m", "companion", *args, "--root", str(project.root)],
                           capture_output=True, text=True, **kw)
+
+
+_TORCH_MARKER = "torch imported by the CLI process:"
+
+
+def _cli_reporting_torch(project, *args, **kw):
+    """:func:`_cli`, its stdout ending with whether the CLI's own process imported torch."""
+    argv = ["companion", *args, "--root", str(project.root)]
+    code = ("import runpy, sys\n"
+            f"sys.argv = {argv!r}\n"
+            "try:\n    runpy.run_module('companion', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as stop:\n    status = stop.code\n"
+            "else:\n    status = 0\n"
+            f"print({_TORCH_MARKER!r}, 'torch' in sys.modules)\n"
+            "sys.exit(status)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, **kw)
 
 
 def test_cli_reports_bad_parameters(demo_project):
@@ -326,9 +343,12 @@ def test_out_run_writes_its_folder_and_leaves_the_book_byte_identical(ran_demo_p
     before = _all_files(p.generated)
     dirs_before = sorted(str(d) for d in p.generated.rglob("*"))
     out = tmp_path / "explore"
-    proc = _cli(p, "run", "demo", "--scale", "smoke", "-p", "seed", "1", "--out", str(out),
-                timeout=SAFETY_DEADLINE)
+    proc = _cli_reporting_torch(p, "run", "demo", "--scale", "smoke", "-p", "seed", "1",
+                                "--out", str(out), timeout=SAFETY_DEADLINE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the record's device is what the chapter's begin_chapter resolved "auto" to (it tells
+    # the runner through COMPANION_DEVICE_FILE): the CLI never imports torch to ask
+    assert f"{_TORCH_MARKER} False" in proc.stdout, proc.stdout
     assert _all_files(p.generated) == before, "the book is untouched, byte for byte"
     assert sorted(str(d) for d in p.generated.rglob("*")) == dirs_before, "nothing added"
     for rel in ("demo.ipynb", "demo.log", "run.json", "figures/demo-random-walk.png",
@@ -338,6 +358,8 @@ def test_out_run_writes_its_folder_and_leaves_the_book_byte_identical(ran_demo_p
     assert not list(out.glob(".staging-*"))
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "ok" and record["parameters"]["seed"] == 1
+    assert record["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not (out / ".device").exists() and ".device" not in record["files"]
     assert "--out" in record["command"]
     nb = (out / "demo.ipynb").read_text()
     assert runner.INSTALL_TAG in nb and runner.SCALE_TAG in nb
@@ -357,6 +379,23 @@ def test_out_run_writes_its_folder_and_leaves_the_book_byte_identical(ran_demo_p
     proc = _cli(p, "run", "demo", "--out", str(p.generated / "mine"))
     assert proc.returncode == 2 and "inside the book's own files" in proc.stderr
     assert _all_files(p.generated) == before
+
+
+def test_record_device_is_what_the_chapter_resolved(ran_demo_project, tmp_path):
+    """"auto" is recorded as the device the chapter's begin_chapter resolved, which it
+    writes to the file the runner names (COMPANION_DEVICE_FILE); a device asked for is
+    recorded as asked; where the chapter said nothing usable, torch is asked."""
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    record = json.loads(ran_demo_project.run_record("demo").read_text())
+    assert record["device"] == expected and record["parameters"]["device"] == "auto"
+    told = tmp_path / "device"
+    told.write_text("cuda")
+    assert runner._detected_device("auto", told) == "cuda"
+    assert runner._detected_device("cpu", told) == "cpu"
+    assert runner._detected_device("cuda:1", told) == "cuda:1"
+    told.write_text("a chapter's garbage")
+    assert runner._detected_device("auto", told) == expected
+    assert runner._detected_device("auto", tmp_path / "never-written") == expected
 
 
 def test_cli_refuses_non_default_parameters_into_the_book(demo_project):

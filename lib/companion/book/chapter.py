@@ -27,6 +27,9 @@ ENV_OUTPUT_DIR = "COMPANION_OUTPUT_DIR"
 ENV_ASSET_URL = "COMPANION_ASSET_URL"
 ENV_CHAPTER = "COMPANION_CHAPTER"
 ENV_THREADS = "COMPANION_TORCH_THREADS"
+# A file the chapter writes the device it resolved into ("cpu", "cuda"): the run record's
+# device, without the runner importing torch (about 2 s) to learn what "auto" became.
+ENV_DEVICE_FILE = "COMPANION_DEVICE_FILE"
 
 
 @dataclass
@@ -129,6 +132,8 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
     from companion.devices import resolve_device
 
     device = resolve_device(params["device"])
+    if os.environ.get(ENV_DEVICE_FILE):
+        Path(os.environ[ENV_DEVICE_FILE]).write_text(device.type)
 
     env_chapter = os.environ.get(ENV_CHAPTER)
     if env_chapter and env_chapter != name:

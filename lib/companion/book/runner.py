@@ -94,8 +94,8 @@ from typing import Any, Callable
 
 from companion._validate import check_int, check_number
 from companion.book import myst
-from companion.book.chapter import (ENV_ASSET_URL, ENV_CHAPTER, ENV_OUTPUT_DIR, ENV_THREADS,
-                                    SCALES)
+from companion.book.chapter import (ENV_ASSET_URL, ENV_CHAPTER, ENV_DEVICE_FILE,
+                                    ENV_OUTPUT_DIR, ENV_THREADS, SCALES)
 from companion.book.files import atomic_write_text, dumps, now_iso
 from companion.book.gitstate import ENV_COMMIT, ENV_DIRTY, git_state
 from companion.book.project import (  # noqa: F401 - re-exported: the runner's project API
@@ -1243,7 +1243,9 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
     input_nb = staging / f".{name}.input.ipynb"
     output_nb = staging / f"{name}.ipynb"
     log = staging / f"{name}.log"
-    env_updates = _kernel_env(name, staging, ".", commit, dirty, threads, nproc)
+    # in the staging folder, which becomes the --out folder: read and removed below
+    device_file = staging / ".device"
+    env_updates = _kernel_env(name, staging, ".", commit, dirty, threads, nproc, device_file)
     started = time.time()
     record = _new_record(project, name, params, defaults, nproc, commit, dirty, str(folder))
     record["out"] = str(folder)
@@ -1258,13 +1260,15 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
                                         timeout, progress, echo, pidx)
         error = _execution_error(outcome, pidx, timeout)
         input_nb.unlink()
+        device = _detected_device(params["device"], device_file) if error is None else None
+        device_file.unlink(missing_ok=True)
         record.update(seconds=time.time() - started, finished=now_iso(),
                       peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()
         html = None
         if error is None:
             executed = read_notebook_ipynb(output_nb)
-            record.update(status="ok", device=_detected_device(params["device"]))
+            record.update(status="ok", device=device)
             finish_notebook(executed, record)
             if "{cite" in json.dumps([c.source for c in executed.cells]) and (
                     project.root / "book" / "references.bib").exists():
@@ -1332,10 +1336,13 @@ def _kernel_environment(updates: dict[str, str]):
 
 
 def _kernel_env(name: str, output_dir: Path, asset_url: str, commit: str, dirty: bool,
-                threads: int | None, nproc: int) -> dict[str, str]:
-    """The environment through which the runner talks to the executing chapter."""
+                threads: int | None, nproc: int, device_file: Path) -> dict[str, str]:
+    """The environment through which the runner talks to the executing chapter (and
+    ``device_file``, outside the outputs, through which the chapter answers: the device
+    its ``begin_chapter`` resolved, read by :func:`_detected_device`)."""
     env = {
         ENV_OUTPUT_DIR: str(output_dir),
+        ENV_DEVICE_FILE: str(device_file),
         ENV_ASSET_URL: asset_url,
         ENV_CHAPTER: name,
         ENV_COMMIT: commit,
@@ -1390,6 +1397,10 @@ class _Staging:
     def log(self) -> Path:
         return self.folder / f"{self.name}.log"
 
+    @property
+    def device_file(self) -> Path:
+        return self.folder / "device"
+
 
 def _new_staging(project: Project, name: str) -> _Staging:
     """A fresh staging folder name for ``name`` (dead runs' folders removed first)."""
@@ -1434,7 +1445,7 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
     commit, dirty = git_state(project.root)
     staging = _new_staging(project, name)
     env_updates = _kernel_env(name, staging.assets, f"../assets/{name}", commit, dirty,
-                              threads, nproc)
+                              threads, nproc, staging.device_file)
     started = time.time()
     record = _new_record(project, name, params, defaults, nproc, commit, dirty)
     record["cache_key"] = key
@@ -1444,7 +1455,7 @@ def _execute_and_publish(project: Project, name: str, nb, pidx: int, defaults: d
         error = _execution_error(outcome, pidx, timeout)
         if error is None:
             executed = read_notebook_ipynb(staging.output_nb)
-            record["device"] = _detected_device(params["device"])
+            record["device"] = _detected_device(params["device"], staging.device_file)
         record.update(seconds=time.time() - started, finished=now_iso(),
                       peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()  # the last moment an interrupt leaves everything as it was
@@ -1499,10 +1510,20 @@ def remove_dead_staging(project: Project, name: str) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _detected_device(requested: str) -> str:
-    """The device the chapter really used, as begin_chapter resolved it ("auto" -> cpu)."""
+def _detected_device(requested: str, told: Path | None = None) -> str:
+    """The device the chapter really used, as begin_chapter resolved it ("auto" -> cpu).
+
+    ``told``: the file the chapter's ``begin_chapter`` wrote it into
+    (``COMPANION_DEVICE_FILE``). Only where a chapter did not write it (one that never
+    called ``begin_chapter``) is torch imported here to ask, as the chapter would have:
+    that import took about 2 s of every run's end in a process without torch (the CLI)."""
     if requested != "auto":
         return requested
+    if told is not None:
+        with contextlib.suppress(OSError):
+            said = told.read_text().strip()
+            if said in ("cpu", "cuda"):
+                return said
     try:
         import torch
 
