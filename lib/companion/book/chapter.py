@@ -132,8 +132,8 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
     from companion.devices import resolve_device
 
     device = resolve_device(params["device"])
-    if os.environ.get(ENV_DEVICE_FILE):
-        Path(os.environ[ENV_DEVICE_FILE]).write_text(device.type)
+    if told := os.environ.get(ENV_DEVICE_FILE):
+        Path(told).write_text(device.type)
 
     env_chapter = os.environ.get(ENV_CHAPTER)
     if env_chapter and env_chapter != name:

@@ -1243,8 +1243,8 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
     input_nb = staging / f".{name}.input.ipynb"
     output_nb = staging / f"{name}.ipynb"
     log = staging / f"{name}.log"
-    # in the staging folder, which becomes the --out folder: read and removed below
-    device_file = staging / ".device"
+    # in the staging folder, which becomes the --out folder: removed before it moves
+    device_file = staging / _DEVICE_FILE
     env_updates = _kernel_env(name, staging, ".", commit, dirty, threads, nproc, device_file)
     started = time.time()
     record = _new_record(project, name, params, defaults, nproc, commit, dirty, str(folder))
@@ -1260,15 +1260,13 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
                                         timeout, progress, echo, pidx)
         error = _execution_error(outcome, pidx, timeout)
         input_nb.unlink()
-        device = _detected_device(params["device"], device_file) if error is None else None
-        device_file.unlink(missing_ok=True)
         record.update(seconds=time.time() - started, finished=now_iso(),
                       peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()
         html = None
         if error is None:
             executed = read_notebook_ipynb(output_nb)
-            record.update(status="ok", device=device)
+            record.update(status="ok", device=_detected_device(params["device"], device_file))
             finish_notebook(executed, record)
             if "{cite" in json.dumps([c.source for c in executed.cells]) and (
                     project.root / "book" / "references.bib").exists():
@@ -1281,6 +1279,7 @@ def _execute_into_folder(project: Project, name: str, nb, pidx: int, defaults: d
             record.update(status="failed", error=error)
             if output_nb.exists():
                 os.replace(output_nb, staging / f"{name}.failed.ipynb")
+        device_file.unlink(missing_ok=True)  # the chapter's answer, not one of its outputs
         record["files"] = sorted(p.name for p in staging.iterdir()) + ["run.json"]
         atomic_write_text(staging / "run.json", dumps(record))
         raise_if_interrupted()
@@ -1399,7 +1398,7 @@ class _Staging:
 
     @property
     def device_file(self) -> Path:
-        return self.folder / "device"
+        return self.folder / _DEVICE_FILE
 
 
 def _new_staging(project: Project, name: str) -> _Staging:
@@ -1508,6 +1507,11 @@ def remove_dead_staging(project: Project, name: str) -> None:
         pid = int(parts[0]) if parts and parts[0].isdigit() else None
         if pid is None or not psutil.pid_exists(pid):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+# Where a run's chapter writes the device it resolved (COMPANION_DEVICE_FILE), in the
+# run's staging folder
+_DEVICE_FILE = ".device"
 
 
 def _detected_device(requested: str, told: Path | None = None) -> str:
