@@ -1,37 +1,21 @@
-"""The book of every real chapter at smoke scale builds, and every page passes the browser
-check; one chapter run a second time with the same seed gives the same bytes.
+"""One chapter run a second time with the same seed gives the same bytes.
 
 The chapters run into the smoke book (``conftest.smoke_book``), the project that
-tests/test_chapters_smoke.py runs them into, one test per chapter in name order: each
-chapter runs once per pytest run. With two workers, the other worker runs that file while
-this one runs this file, and the two share the chapters' runs between them:
-
-- the same-seed test runs its second run first (a project of its own, no other run
-  waits for it), then takes the smoke book's run of the chapter;
-- the book test takes the chapters in the reverse order, one that another run holds
-  last (:func:`conftest.run_smoke_free_first`), then builds.
-
-So that neither worker waits on a chapter the other one runs while a chapter is left
-to run (a chapter another worker runs is waited for, then taken from the cache: the
-results are the same whichever worker ran it).
+tests/test_chapters_smoke.py runs them into (each chapter runs once per pytest run) and
+tests/test_smoke_book_pages.py builds its HTML book from. With two workers, the other
+worker runs tests/test_chapters_smoke.py while this one runs this file; the repeated
+chapter (``conftest.REPEATED_CHAPTER``) comes last there, so that this test's two runs of
+it (its own project first, then the smoke book's) are done by the time that file asks.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
-
 from companion.book import runner
-from companion.book.htmlcheck import check_book
-from conftest import (CHAPTERS, REPO, make_project, mathjax_available, require_browser,
-                      run_smoke, run_smoke_free_first)
+from conftest import REPEATED_CHAPTER, REPO, make_project, run_smoke
 
 
-# The chapter run twice: gradient_flow is the fastest chapter at smoke scale (12 s alone,
-# 24 s on a loaded machine; the others took 27-37 s there), and none of its tables,
-# figures or claims holds a timing (hasse and sbm_transformer report seconds).
-REPEATED_CHAPTER = "gradient_flow"
 # Sidecar fields that legitimately differ between two runs: when the record was written.
 VOLATILE_FIELDS = {"created"}
 
@@ -70,7 +54,7 @@ def test_same_seed_gives_same_bytes(smoke_book, tmp_path_factory):
     """Two smoke runs with one seed: identical tables, claims and figure files.
 
     The second project's run comes first, and then the smoke book's (this run's own, or
-    the one the other worker made meanwhile): see the module docstring."""
+    the one another worker made meanwhile): see the module docstring."""
     name = REPEATED_CHAPTER
     second_project = runner.Project(make_project(
         tmp_path_factory.mktemp("repeat") / "book", {name: REPO / "chapters" / f"{name}.md"}))
@@ -105,16 +89,3 @@ def test_same_seed_gives_same_bytes(smoke_book, tmp_path_factory):
     sidecars = [rel for rel in a if rel.endswith(".json")]
     differ = [rel for rel in sidecars if _record(a[rel]) != _record(b[rel])]
     assert not differ, f"same seed, different records: {differ}"
-
-
-@pytest.mark.skipif(not mathjax_available(), reason="local MathJax missing: run make setup")
-def test_smoke_book_builds_and_every_page_passes_browser_check(smoke_book):
-    require_browser()
-    run_smoke_free_first(smoke_book, list(reversed(CHAPTERS)))
-    runner.build_html(smoke_book, echo=lambda _l: None)
-    # every check at both widths; the screenshots are make check-html's (and
-    # test_pages_and_book's), for a person to look at
-    report = check_book(smoke_book, smoke_book.build_dir / "html", screenshots=False)
-    assert report.ok, report.summary()
-    assert all(not p.screenshots for p in report.pages)
-    assert len(report.pages) == len(CHAPTERS) + 4
