@@ -109,11 +109,18 @@ pdf: setup latex
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q
 
+# Each benchmark's line ends with the share of the machine's CPU time the hypervisor took
+# meanwhile ("steal", from /proc/stat): on a shared virtual machine the cores slow down by
+# that much for a while, which the load average does not show.
+STEAL = awk '/^cpu /{print $$9, $$2+$$3+$$4+$$5+$$6+$$7+$$8+$$9}' /proc/stat 2>/dev/null
+
 bench: setup
 	@mkdir -p benchmarks/results
 	@set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; start=$$(date +%s); \
-	  $(PY) $$f $(BENCH_ARGS); \
-	  echo "== $$f: $$(( $$(date +%s) - start )) s, load average $$(cut -d' ' -f1-3 /proc/loadavg)"; done
+	  s0=$$($(STEAL)); $(PY) $$f $(BENCH_ARGS); s1=$$($(STEAL)); \
+	  steal=$$(echo "$$s0 $$s1" | awk 'NF == 4 && $$4 > $$2 {printf ", steal %.0f %%", \
+	    100 * ($$3 - $$1) / ($$4 - $$2)}'); \
+	  echo "== $$f: $$(( $$(date +%s) - start )) s, load average $$(cut -d' ' -f1-3 /proc/loadavg)$$steal"; done
 	$(PY) benchmarks/summary.py
 
 clean:
