@@ -39,9 +39,10 @@ class KernelTuning:
     block_elements : int or None
         Exponentials per block of the symmetric kernel. None: ``2**18`` on CPU (a block
         of float64 exponentials is 2 MiB and stays in a core's L2 with its moments; at
-        n = 200, H = 100, 10 paths on a 2 MiB-L2 Intel Xeon 44.8 ms per step at 1
-        thread and 27.7 at 2, against 52.5 and 30.7 ms with the former ``2**19``, and
-        42.1 and 31.5 ms with ``2**17``), ``2**25`` elsewhere (one block per group of
+        n = 200, H = 100, 10 paths on a 2 MiB-L2 Intel Xeon, the kernel with ``exp``,
+        medians of 5 interleaved runs: 55.8 ms per step at 1 thread, against 58.5 with
+        ``2**17``, 60.5 with ``2**19`` and 75.2 with ``2**16``; at 2 threads 43.0, against
+        45.0, 40.2 and 59.4, with overlapping ranges), ``2**25`` elsewhere (one block per group of
         paths: few, large kernel launches). The block size sets the order of the sums,
         so trajectories agree between sizes to rounding, not bit for bit.
     shifted_chunk_elements : int
