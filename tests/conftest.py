@@ -31,8 +31,9 @@ REPEATED_CHAPTER = "gradient_flow"
 # of many runs and processes, then the longest files of small tests, so that the last
 # files a worker takes are short (a long file last left the other worker idle for its
 # length). The other files keep their order. The smoke book's HTML test comes fifth, not
-# second: it needs every chapter's run, and taken early its worker waited for the other
-# worker's chapter runs (about 20 s idle); by the time it is taken they are done.
+# second: it needs every chapter's run, and in the same file as the same-seed test it made
+# both workers ask for the same chapters at once (in one timeline of `make test` a worker
+# waited 13.5 s and 4 s for chapters the other ran); by the time it is taken, they are done.
 SLOW_FILES_FIRST = ("test_chapters_smoke.py", "test_smoke_book.py", "test_runner.py",
                     "test_portable_notebook.py", "test_smoke_book_pages.py",
                     "test_runner_interrupts.py",
