@@ -100,9 +100,9 @@ def machine_limit(n, H, P, d=3, reps=5):
 
     The rates are the best of ``reps`` runs in CPU time (a loaded machine takes the core
     away, not its speed): a 1024^3 GEMM (multiply-adds per second) and the faster of
-    ``exp`` and ``exp2`` over 2^16 cache-resident doubles (seconds per exponential). The work is the
-    paper's step, ``P H n^2 d`` multiply-adds and ``P H n^2`` exponentials; the symmetric
-    kernel needs only about half of the exponentials, reported apart.
+    ``exp`` and ``exp2`` over 2^16 cache-resident doubles (seconds per exponential). The
+    work is the paper's step, ``P H n^2 d`` multiply-adds and ``P H n^2`` exponentials;
+    the symmetric kernel needs only about half of the exponentials, reported apart.
     """
     a = torch.randn(1024, 1024, dtype=torch.float64)
     v = torch.randn(1 << 16, dtype=torch.float64)
