@@ -26,6 +26,7 @@ What builds the book:
 # provenance (``from companion.book import begin_chapter, claim, save_figure, save_table``).
 from companion.book.chapter import ENV_THREADS, begin_chapter
 from companion.book.gitstate import repo_root
-from companion.book.records import claim, save_figure, save_table
+from companion.book.records import claim, record_inventory, save_figure, save_table
 
-__all__ = ["ENV_THREADS", "begin_chapter", "claim", "repo_root", "save_figure", "save_table"]
+__all__ = ["ENV_THREADS", "begin_chapter", "claim", "record_inventory", "repo_root",
+           "save_figure", "save_table"]

@@ -43,6 +43,9 @@ class Chapter:
     device: Any = None
     started: str = field(default_factory=lambda: now_iso())
     used_ids: dict[str, str] = field(default_factory=dict)
+    # the verdict and role of every claim recorded so far (the inventory reads them)
+    verdicts: dict[str, str] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
 
     @property
     def scale(self) -> str:

@@ -142,21 +142,99 @@ def table_directive(table_id: str, caption: str, table_markdown: str) -> str:
                      options={"name": table_id})
 
 
+_RULE_WORDS = {"at_most": "at most", "at_least": "at least", "range": "between",
+               "abs": "within", "rel": "within", "holds": "the statement holds"}
+
+
+def check_rule_words(record: dict[str, Any]) -> str:
+    """A check's acceptance rule in words: "at most 0.1", "between 0.2 and 0.4".
+
+    >>> check_rule_words({"kind": "at_most", "paper": 0.1, "tolerance": None})
+    'at most 0.1'
+    >>> check_rule_words({"kind": "abs", "paper": 1.0, "tolerance": 0.05})
+    'within 0.05 of 1'
+    """
+    kind, paper, tol = record["kind"], record["paper"], record.get("tolerance")
+    d = describe_value
+    if kind == "holds":
+        return "the statement holds"
+    if kind == "range":
+        return f"between {d(float(paper[0]))} and {d(float(paper[1]))}"
+    slack = "" if not tol else f" (with a slack of {d(float(tol))})"
+    if kind == "at_most":
+        return f"at most {d(float(paper))}{slack}"
+    if kind == "at_least":
+        return f"at least {d(float(paper))}{slack}"
+    if kind == "abs":
+        return f"within {d(float(tol))} of {d(float(paper))}"
+    return f"within {d(100 * float(tol))} % of {d(float(paper))}"
+
+
+def _measured_words(record: dict[str, Any]) -> str:
+    interval = record["interval"]
+    text = f"measured **{describe_value(record['measured'])}**"
+    if interval is not None:
+        level = record.get("level") or 0.95
+        over = record.get("resamples")
+        text += (f", {100 * level:.0f} % interval {describe_value(interval)}"
+                 + (f" over {over}" if over else ""))
+    return text
+
+
 def claim_box(record: dict[str, Any]) -> str:
-    """The admonition that shows a claim (or a check) on its chapter's page."""
+    """The admonition that shows a claim (or a check) on its chapter's page.
+
+    A paper claim quotes the paper and its place, then says whose the threshold is: "The
+    paper says ..." for the paper's own number, "We require ..." for a tolerance of ours,
+    with its reason. A check says "We require ..." with its source. Nothing is abbreviated.
+    """
     verdict, role_ = record["verdict"], record["role"]
-    paper, tolerance, interval = record["paper"], record["tolerance"], record["interval"]
-    paper_text = describe_value(paper if paper is not None else "not available")
-    tol_text = "" if tolerance is None else f" · tolerance {describe_value(tolerance)}"
-    ci_text = "" if interval is None else f" (interval {describe_value(interval)})"
-    what = "Claim" if role_ == "paper" else "Check"
     reference = record["reference"]
-    source = f"Paper ({reference})" if role_ == "paper" else f"Threshold ({reference})"
-    body = (f"{record['statement']}\n\n"
-            f"{source}: **{paper_text}** · measured: **{describe_value(record['measured'])}**"
-            f"{ci_text}{tol_text} · check: `{record['kind']}`")
-    return directive("admonition", f"{what} {record['id']}: {verdict}", body,
+    lines = [record["statement"]]
+    if role_ == "paper" and record.get("declared"):
+        quote = one_line(record.get("quote", ""))
+        lines.append(f"The paper ({reference}): *“{quote}”*")
+        rule = record["threshold_words"]
+        if record.get("threshold_by") == "paper":
+            lines.append(f"The paper's threshold: {rule} ({record['threshold_reason']}); "
+                         f"{_measured_words(record)}.")
+        else:
+            lines.append(f"We require {rule}: a tolerance of ours, because "
+                         f"{record['threshold_reason']}; {_measured_words(record)}.")
+        if record.get("set_after_result"):
+            lines.append(f"This tolerance was set after a result was seen "
+                         f"({record['set_after_result']}).")
+        lines.append(f"It would read *differs* under: {record['falsifier']}.")
+    elif role_ == "paper":
+        paper = record["paper"]
+        said = describe_value(paper if paper is not None else "not available")
+        lines.append(f"The paper ({reference}): {said}; {_measured_words(record)}.")
+    else:
+        lines.append(f"We require {check_rule_words(record)} ({reference}); "
+                     f"{_measured_words(record)}.")
+    what = "Claim" if role_ == "paper" else "Check"
+    return directive("admonition", f"{what} {record['id']}: {verdict}", "\n\n".join(lines),
                      options={"class": ADMONITION_CLASS[verdict], "name": record["id"]}) + "\n"
+
+
+def inventory_table(rows: list[dict[str, Any]]) -> str:
+    """The chapter's statement inventory: each statement of the paper and how it is tested.
+
+    >>> inventory_table([{"id": "x-a", "quote": "q", "place": "abstract",
+    ...     "status": "not comparable", "claims": [], "verdicts": {},
+    ...     "not_comparable": "needs a GPU"}]).splitlines()[-1]
+    '| q | abstract | not comparable: needs a GPU |'
+    """
+    body = []
+    for r in rows:
+        if r["status"] == "tested":
+            how = "; ".join(f"{role('ref', c)}: {v}" for c, v in r["verdicts"].items())
+        elif r["status"] == "not comparable":
+            how = f"not comparable: {r['not_comparable']}"
+        else:
+            how = "not run at this scale: " + ", ".join(r["claims"])
+        body.append([one_line(r["quote"]), r["place"], how])
+    return pipe_table(["The paper states", "Where", "How this chapter tests it"], body)
 
 
 # --------------------------------------------------------------------------- chapter pages

@@ -338,6 +338,99 @@ def _count_badges(counts: Counter, role: str) -> str:
                                         for v in columns if counts[(role, v)]])
 
 
+def load_inventory(project, name: str) -> dict | None:
+    """The inventory a chapter's last run recorded (``inventory.json``), or None."""
+    path = project.assets(name) / "inventory.json"
+    if not path.exists():
+        return None
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise SidecarError(f"{path}: not valid JSON ({exc})") from exc
+
+
+_COVERAGE_VERDICTS = ("reproduced", "differs", "inconclusive")
+
+
+def coverage_counts(inventory: dict) -> Counter:
+    """Per inventory: statements, tested (and each statement's verdicts), not comparable,
+    not run at this scale. A statement tested by several claims counts once per verdict
+    it received; "tested" counts it once.
+
+    >>> c = coverage_counts({"statements": [
+    ...     {"status": "tested", "verdicts": {"a": "differs"}},
+    ...     {"status": "not comparable", "verdicts": {}}]})
+    >>> c["statements"], c["tested"], c["differs"], c["not comparable"]
+    (2, 1, 1, 1)
+    """
+    counts: Counter = Counter()
+    for row in inventory.get("statements", []):
+        counts["statements"] += 1
+        counts[row["status"]] += 1
+        for verdict in set(row.get("verdicts", {}).values()):
+            counts[verdict] += 1
+    return counts
+
+
+def coverage_section(project) -> list[str]:
+    """The report's opening table: each paper's checkable statements and how many are
+    tested (by verdict), not comparable here, or not run at the build's scale."""
+    out = ["## What each paper states, and what is tested", "",
+           "Each chapter lists every checkable statement of its paper (its inventory, at the "
+           "end of the chapter): tested by a paper claim, or *not comparable* here, with the "
+           "reason. A statement tested by several claims is counted under each verdict it "
+           "received.", "",
+           "| Chapter | Statements | Tested: reproduced · differs · inconclusive | Not "
+           "comparable | Not run at this scale |", "|---|---|---|---|---|"]
+    for name in project.toc_chapters():
+        inv = load_inventory(project, name)
+        title = chapter_title(project, name)
+        if inv is None:
+            out.append(f"| {title} | no inventory recorded | | | |")
+            continue
+        c = coverage_counts(inv)
+        verdicts = " · ".join(str(c[v]) for v in _COVERAGE_VERDICTS)
+        out.append(f"| {title} | {c['statements']} | {c['tested']}: {verdicts} | "
+                   f"{c['not comparable']} | {c['not run at this scale']} |")
+    return out + [""]
+
+
+def thresholds_section(chapter_claims: list[tuple[str, list[dict]]]) -> list[str]:
+    """Whose threshold each paper claim uses, and why; the tolerances set after a result
+    listed apart, so that a reader can discount them."""
+    out = ["## Whose thresholds", "",
+           "A paper claim is judged against the paper's own number where the paper gives "
+           "one; otherwise against a tolerance of ours, with its reason. Each interval's "
+           "level and what it resamples are given with it.", ""]
+    late = []
+    for title, claims in chapter_claims:
+        mine = [c for c in claims if claim_role(c) == "paper"]
+        if not mine:
+            continue
+        out += [f"### {title}", "",
+                "| Claim | Whose | Rule | Why | Interval |", "|---|---|---|---|---|"]
+        for c in mine:
+            by = {"paper": "the paper's", "ours": "ours"}.get(c.get("threshold_by"),
+                                                              "undeclared")
+            interval = (f"{100 * (c.get('level') or 0.95):.0f} % over {c['resamples']}"
+                        if c.get("resamples") else "exact statement, no interval")
+            out.append(f"| `{c['id']}` ({{ref}}`box <{c['id']}>`) | {by} | "
+                       f"{_cell(c.get('threshold_words') or threshold_text(c))} | "
+                       f"{_cell(c.get('threshold_reason', '—'))} | {_cell(interval)} |")
+            if c.get("set_after_result"):
+                late.append((c["id"], c["set_after_result"]))
+        out.append("")
+    out += ["### Tolerances set after a result was seen", ""]
+    if late:
+        out += [f"- `{cid}` ({{ref}}`box <{cid}>`): {myst.one_line(why)}"
+                for cid, why in late]
+    else:
+        out.append("None: every threshold above was fixed before the run that judged it.")
+    return out + [""]
+
+
 def reproduction_report(project) -> str:
     """The report page: counts, then every chapter's paper claims, then the checks.
 
@@ -348,7 +441,8 @@ def reproduction_report(project) -> str:
     lines = [HEADER, "# Reproduction report", "",
              "Every checked statement of every chapter, generated from the records the "
              "chapters saved. A *paper claim* is a statement of the paper, with its place in "
-             "the paper and a threshold fixed in the chapter before the run: "
+             "the paper and a threshold that is the paper's number or a tolerance of ours "
+             "(see *Whose thresholds* below): "
              "{bdg-success}`reproduced`, our measurement (its interval, where it has one) "
              "lies within the threshold (or the stated property holds); "
              "{bdg-danger}`differs`, it lies outside; {bdg-warning}`inconclusive`, the "
@@ -364,9 +458,11 @@ def reproduction_report(project) -> str:
               "Our own statements: targets, implementation checks, statements of other "
               "sources. None of them counts as a reproduction of the paper.", ""]
     totals: Counter = Counter()
+    by_chapter: list[tuple[str, list[dict]]] = []
     for name in project.toc_chapters():
         folder = project.assets(name) / "claims"
         claims = _load_sidecars(folder, name, "claim") if folder.exists() else []
+        by_chapter.append((chapter_title(project, name), claims))
         stale, record = _run_state(project, name)
         counts = Counter((claim_role(c), c.get("verdict")) for c in claims)
         totals.update(counts)
@@ -397,7 +493,8 @@ def reproduction_report(project) -> str:
                 "reproductions.", ""]
     # In a container of its own: book.css makes it fit a 400 px screen.
     boxed = ["````{container} report-summary", *summary, "````"]
-    return "\n".join(lines + headline + boxed + [""] + papers + checks) + "\n"
+    return "\n".join(lines + coverage_section(project) + headline + boxed + [""] + papers
+                     + checks + thresholds_section(by_chapter)) + "\n"
 
 
 def write_generated_pages(project) -> None:

@@ -252,22 +252,33 @@ def _check_evidence(evidence: Any, chapter: "Chapter") -> list[str]:
     return list(ids)
 
 
-def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = None,
-          reference: str, kind: str, statement: str, interval: Any = None,
-          role: str = "paper", evidence: Any = None) -> dict[str, Any]:
+_UNSET = object()
+
+
+def claim(claim_id: str, measured: Any, *, paper: Any = _UNSET, tolerance: Any = None,
+          reference: str | None = None, kind: str | None = None, statement: str,
+          interval: Any = None, role: str = "paper", evidence: Any = None) -> dict[str, Any]:
     """Record a checked statement and show it on the chapter page.
+
+    A paper claim (``role="paper"``) is declared in the chapter's inventory
+    (:mod:`companion.book.statements`): its quote, place, threshold (the paper's number or
+    a tolerance of ours, with its reason), what its interval resamples and its falsifier.
+    The chapter passes only what it measured: ``claim(id, measured, interval=...,
+    statement=..., evidence=...)``. A check (``role="check"``) passes its own threshold
+    (``paper``, ``tolerance``, ``kind``, ``reference``).
 
     Parameters
     ----------
     claim_id : kebab-case id prefixed by the chapter prefix.
     measured : what we measured: a number, or a bool for kind "holds".
-    paper : what the paper says: a number, a (lo, hi) tuple, "qualitative" (with kind
-        "holds"), or "not available" / None (verdict "not comparable"). For a check, the
-        threshold we set ourselves.
-    tolerance : for kinds "abs", "rel" (required), "at_most", "at_least" (optional slack).
-    reference : where the paper says it (section / figure / theorem), or "this chapter".
-    kind : "holds", "abs", "rel", "range", "at_most" or "at_least" (see judge_claim).
-    statement : one sentence saying what is checked.
+    paper : a check's threshold: a number, a (lo, hi) tuple, or "qualitative" (with kind
+        "holds"). For a paper claim it comes from the inventory and is not passed.
+    tolerance : a check's slack, for kinds "abs", "rel" (required), "at_most", "at_least".
+    reference : a check's source ("this chapter", another paper); a paper claim's place
+        comes from the inventory.
+    kind : a check's "holds", "abs", "rel", "range", "at_most" or "at_least" (see
+        judge_claim).
+    statement : one sentence saying what is measured, at this run's sizes.
     interval : optional ``(lo, hi)``, the uncertainty interval of ``measured`` (e.g. a
         bootstrap over windows, paths or seeds). The verdict is then "inconclusive" when
         the interval straddles the threshold (see :func:`judge_claim`).
@@ -294,12 +305,31 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
     """
     chapter = active_chapter()
     _check_id("claim_id", claim_id, chapter)
-    if not isinstance(reference, str) or not reference.strip():
-        raise ValueError("reference: expected the section/figure of the paper, or 'this chapter'")
-    if not isinstance(statement, str) or not statement.strip():
-        raise ValueError("statement: expected one sentence saying what is checked")
     if role not in ROLES:
         raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
+    declared = None
+    if role == "paper":
+        declared = _declared_claim(chapter.name, claim_id)
+    if declared is not None:
+        passed = [name for name, value in (("paper", paper is not _UNSET),
+                                           ("tolerance", tolerance is not None),
+                                           ("kind", kind is not None),
+                                           ("reference", reference is not None)) if value]
+        if passed:
+            raise ValueError(
+                f"{passed[0]}: paper claim {claim_id!r} is declared in "
+                f"companion.book.statements.{chapter.name}; its threshold and place come "
+                "from there, pass only measured, interval, statement and evidence")
+        t = declared.threshold
+        paper, tolerance, kind, reference = t.value, t.tolerance, t.kind, declared.place
+    elif paper is _UNSET:
+        paper = None
+    if not isinstance(reference, str) or not reference.strip():
+        raise ValueError("reference: expected the section/figure of the paper, or 'this chapter'")
+    if kind is None:
+        raise ValueError("kind: expected one of holds, abs, rel, range, at_most, at_least")
+    if not isinstance(statement, str) or not statement.strip():
+        raise ValueError("statement: expected one sentence saying what is checked")
     measured = scalar_measured(measured)
     if tolerance is not None:
         check_tolerance(tolerance)
@@ -317,9 +347,76 @@ def claim(claim_id: str, measured: Any, *, paper: Any = None, tolerance: Any = N
         "id": claim_id, "type": "claim", "role": role, "statement": myst.one_line(statement),
         "reference": reference, "kind": kind, "paper": paper, "measured": measured,
         "interval": interval, "tolerance": tolerance, "verdict": verdict,
-        "evidence": evidence, **_provenance(chapter),
+        "evidence": evidence, **_declaration(declared, role), **_provenance(chapter),
     })
     atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
     _register_id("claim_id", claim_id, chapter)
+    chapter.verdicts[claim_id] = verdict
+    chapter.roles[claim_id] = role
     display_markdown(myst.claim_box(record))
+    return record
+
+
+def _declared_claim(chapter_name: str, claim_id: str):
+    """The inventory's declaration of paper claim ``claim_id``, or None (not declared)."""
+    from companion.book.statements import inventory
+
+    try:
+        inv = inventory(chapter_name)
+    except ModuleNotFoundError:
+        return None
+    return inv.claims.get(claim_id)
+
+
+def _declaration(declared, role: str) -> dict[str, Any]:
+    """The record's fields that say whose threshold it is, and how the claim can fail."""
+    if role == "check":
+        return {"threshold_by": "ours", "declared": True}
+    if declared is None:  # a paper claim missing from the inventory: the report flags it
+        return {"threshold_by": None, "declared": False}
+    t = declared.threshold
+    return {"declared": True, "quote": declared.quote, "source": declared.source,
+            "threshold_by": t.by, "threshold_words": t.words(), "threshold_reason": t.reason,
+            "set_after_result": t.set_after_result, "falsifier": declared.falsifier,
+            "resamples": declared.resamples, "level": declared.level}
+
+
+def record_inventory() -> dict[str, Any]:
+    """Save and show the active chapter's statement inventory with this run's verdicts.
+
+    Every statement of ``companion.book.statements.<chapter>`` is written to
+    ``<output>/inventory.json`` with its status: "tested" (the verdicts of its paper
+    claims in this run), "not comparable" (and why), or "not run at this scale" (its
+    claims were not recorded by this run). Call it once, after the chapter's last claim.
+
+    Raises
+    ------
+    ValueError
+        A paper claim of this run is missing from the inventory.
+    """
+    from companion.book.statements import inventory
+
+    chapter = active_chapter()
+    inv = inventory(chapter.name)
+    stray = [c for c in chapter.verdicts if c not in inv.claims
+             and chapter.roles.get(c) == "paper"]
+    if stray:
+        raise ValueError(f"record_inventory: paper claims {stray} are not declared in "
+                         f"companion.book.statements.{chapter.name}")
+    rows = []
+    for s in inv.statements:
+        verdicts = {c: chapter.verdicts[c] for c in s.claims if c in chapter.verdicts}
+        if s.not_comparable:
+            status = "not comparable"
+        elif verdicts:
+            status = "tested"
+        else:
+            status = "not run at this scale"
+        rows.append({"id": s.id, "quote": s.quote, "source": s.source, "place": s.place,
+                     "claims": list(s.claims), "verdicts": verdicts, "status": status,
+                     "not_comparable": s.not_comparable})
+    record = Record({"id": f"{chapter.prefix}-inventory", "type": "inventory",
+                     "statements": rows, **_provenance(chapter)})
+    atomic_write_text(chapter.output_dir / "inventory.json", dumps(record))
+    display_markdown(myst.inventory_table(rows))
     return record

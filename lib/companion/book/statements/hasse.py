@@ -1,0 +1,11 @@
+"""The checkable statements of the hasse chapter's paper, and its paper claims.
+
+See :mod:`companion.book.statements` for what a :class:`Statement` and a
+:class:`PaperClaim` hold. The chapter records each claim by id; the tests in
+`tests/test_falsifiers_hasse.py` apply each claim's falsifier.
+"""
+from companion.book.statements import PaperClaim, Statement, Threshold  # noqa: F401
+
+CLAIMS: list[PaperClaim] = []
+
+STATEMENTS: list[Statement] = []
