@@ -9,4 +9,6 @@
 - ``draw``: heat maps of masks and of reachability by layer, Hasse diagram layouts
 - ``task_merge``: a family of tasks' minimal common supergraph, and the mask it gives
 - ``masked_transformer``: a small transformer that attends through any of these masks
+- ``paper_measures``: what the chapter measures for each statement of the paper, and the
+  perturbed objects (falsifiers) that must turn each measurement against it
 """
