@@ -116,13 +116,7 @@ def _sparse_counts(family, perturb):
     dense = T.minimal_merge(family)
     sparse = T.minimal_merge(family, sparse=True)
     if perturb:
-        graph = T.hasse_diagram(sparse)
-        u, v = sorted(graph.edges)[0]
-        mask = sparse.mask.clone()
-        for q in graph.nodes[v]["members"]:
-            for k in graph.nodes[u]["members"]:
-                mask[q, k] = False
-        sparse = T.Task(sparse.inputs, sparse.targets, mask)
+        sparse = PM.drop_cover(sparse, close=False)
     counts = [PM.sparse_network_mismatches(sparse, dense,
                                            generator=torch.Generator().manual_seed(d))[0]
               for d in range(2)]

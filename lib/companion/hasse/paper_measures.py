@@ -59,6 +59,7 @@ __all__ = [
     "order_matches_networkx",
     "own_token_gradient_holds",
     "position_supervision_density",
+    "same_mask_up_to_layout",
     "sparse_network_mismatches",
     "supervised_bidirectional_family",
     "token_supervision_density",
@@ -68,8 +69,8 @@ __all__ = [
 
 # ------------------------------------------------------------- limit and preorder
 def _bool_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    # float64 sums of 0/1 entries are exact far beyond any n used here (< 2**53)
-    return (x.double() @ y.double()) > 0
+    # float32 sums of 0/1 entries are exact up to n = 2**24, far beyond any n used here
+    return (x.float() @ y.float()) > 0
 
 
 def layer_limit(mask: torch.Tensor, *, residual: bool = True
@@ -98,8 +99,9 @@ def layer_limit(mask: torch.Tensor, *, residual: bool = True
     adj = mask.cpu() | torch.eye(n, dtype=torch.bool) if residual else mask.cpu().clone()
     power, layers = adj, 1
     seen = {power.numpy().tobytes(): 1}
+    adj_f = adj.float()
     while True:
-        following = _bool_matmul(power, adj)
+        following = (power.float() @ adj_f) > 0  # exact: see _bool_matmul
         if torch.equal(following, power):
             return power, layers
         power, layers = following, layers + 1
@@ -385,6 +387,30 @@ def butterfly_merge_matches(family: Sequence[T.Task], n: int) -> bool:
                 and laid.targets[2 * n - 2:] == tuple(range(n)))
 
 
+def same_mask_up_to_layout(a: T.Task, b: T.Task) -> bool:
+    """Whether ``a`` and ``b`` are the same mask on the same inputs, up to the order of
+    their positions (targets aside): each position is named by its input tokens, the
+    tokens it reaches and how many positions reach it; the names must be distinct and
+    shared, and the masks must agree.
+
+    >>> same_mask_up_to_layout(T.butterfly(4), T.minimal_merge(T.bidirectional_family(4)))
+    True
+    """
+    def names(task):
+        R = RR.reachability_limit(task.mask.cpu())[0]
+        seen = RR.tokens_reached(R, task.inputs)
+        readers = R.sum(dim=0).tolist()
+        return [(task.inputs[p], frozenset(seen[p]), readers[p])
+                for p in range(task.n_positions)]
+
+    na, nb = names(a), names(b)
+    if len(set(na)) != len(na) or set(na) != set(nb):
+        return False
+    where = {name: p for p, name in enumerate(nb)}
+    order = torch.as_tensor([where[name] for name in na])
+    return bool(torch.equal(a.mask.cpu(), b.mask.cpu()[order][:, order]))
+
+
 def embedded_tasks(family: Sequence[T.Task], merged: T.Task) -> int:
     """How many tasks of ``family`` have a Hasse diagram that embeds in ``merged``'s
     (:func:`companion.hasse.task_merge.diagram_embedding`: same inputs, covers onto
@@ -392,11 +418,19 @@ def embedded_tasks(family: Sequence[T.Task], merged: T.Task) -> int:
     return sum(T.diagram_embedding(t, merged) is not None for t in family)
 
 
-def merge_is_minimal(family: Sequence[T.Task], merged: T.Task) -> bool:
+def merge_is_minimal(family: Sequence[T.Task], merged: T.Task,
+                     check: T.MergeCheck | None = None) -> bool:
     """``merged`` has exactly one node per equivalence class of the family's nodes (by
     isomorphism of upstream structures, :func:`companion.hasse.task_merge.upstream_classes`),
-    no two equivalent nodes, and a dense mask (``A = R``)."""
-    check = T.merge_check(family, merged)
+    no two equivalent nodes, and a dense mask (``A = R``).
+
+    ``check``: the :func:`companion.hasse.task_merge.merge_check` of ``family`` and
+    ``merged`` when it is already computed (it is the slow part), else None.
+    """
+    if check is None:
+        check = T.merge_check(family, merged)
+    elif not isinstance(check, T.MergeCheck):
+        raise TypeError(f"check: expected a MergeCheck or None, got {describe(check)}")
     return bool(check.merged_nodes == check.family_classes and check.equivalent_pairs == 0
                 and check.dense)
 
@@ -422,16 +456,20 @@ def disjoint_union(family: Sequence[T.Task]) -> T.Task:
                   mask, "disjoint union")
 
 
-def drop_cover(task: T.Task, which: int = 0) -> T.Task:
+def drop_cover(task: T.Task, which: int = 0, *, close: bool = True) -> T.Task:
     """``task`` with one covering edge of its Hasse diagram removed (the ``which``-th in
-    sorted order): the lower class no longer reads the upper one (and what only it
-    brought). ``task``'s mask must be dense (its own limit), as a minimal merge's is.
+    sorted order): the lower class no longer reads the upper one directly.
+
+    ``close=True`` (for a dense mask, as a minimal merge's is): the result's mask is the
+    limit of what remains, so the lower class loses everything only that edge brought.
+    ``close=False`` (for a sparse merge, covering edges only): the mask minus that edge.
 
     >>> fam = T.autoregressive_family(3)
     >>> embedded_tasks(fam, drop_cover(T.minimal_merge(fam)))
     1
     """
     which = check_int("which", which, minimum=0)
+    close = check_bool("close", close)
     graph = T.hasse_diagram(task)
     edges = sorted(graph.edges)
     if which >= len(edges):
@@ -442,8 +480,9 @@ def drop_cover(task: T.Task, which: int = 0) -> T.Task:
     up = torch.as_tensor(sorted(graph.nodes[u]["members"]))
     down = torch.as_tensor(sorted(graph.nodes[v]["members"]))
     mask[down[:, None], up[None, :]] = False
-    limit, _ = RR.reachability_limit(mask)
-    return T.Task(task.inputs, task.targets, limit, task.name + " (a cover dropped)")
+    if close:
+        mask = RR.reachability_limit(mask)[0]
+    return T.Task(task.inputs, task.targets, mask, task.name + " (a cover dropped)")
 
 
 # ------------------------------------------------------- supervision and leakage
