@@ -269,12 +269,21 @@ def tail_mean_slope(trajectory, tail_from: float) -> torch.Tensor:
 
 
 def slope_exponent(heads, tails, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0):
-    """Exponent ``b`` of ``a H^b`` fitted to the path-mean tail slope, with its bootstrap
-    interval over paths: ``tails [len(heads), P]`` (see
-    :func:`~companion.gradient_flow.analysis.fit_power_law`). Returns the fit."""
-    from companion.gradient_flow.analysis import fit_power_law
+    """Exponent ``b`` of ``a H^b`` fitted (least squares in log-log) to the path-mean tail
+    slope ``tails [len(heads), P]``, with its :func:`path_interval` (the ``P`` paths of
+    each ``H`` are independent runs; a replicate resamples the paths of every ``H``).
 
-    return fit_power_law(list(heads), tails, n_boot=n_boot, level=level, seed=seed)
+    Returns ``(b, (lo, hi), a)``.
+    """
+    H = np.asarray(list(heads), dtype=float)
+    t = _np(tails)
+    if t.ndim != 2 or t.shape[0] != H.size:
+        raise ValueError(f"tails: expected [len(heads), paths] = [{H.size}, P], got "
+                         f"shape {t.shape}")
+    stat = lambda v: loglog_order(H, v.mean(-1))  # noqa: E731
+    b = float(stat(t))
+    a = float(np.exp(np.mean(np.log(t.mean(-1)) - b * np.log(H))))
+    return b, path_interval(stat, t, n_boot=n_boot, level=level, seed=seed), a
 
 
 def worst_over_paths(values, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0):
