@@ -191,3 +191,25 @@ def test_measures_refuse_bad_arguments():
     with pytest.raises(TypeError, match="generator"):
         PM.sparse_network_mismatches(T.butterfly(3), T.butterfly(3), generator=None)
     assert verdict("hasse-limit-converges", True) == "reproduced"
+
+
+def test_train_inference_range_covers_another_draw_about_as_often_as_its_level():
+    """Calibration of hasse-train-equals-inference's interval (the range of 5 draws, level
+    0.67: a sixth draw falls inside it with probability 4/6 for continuous values): over
+    10 windows of 5 fixed draws, the next draw falls inside 3 to 10 times (loose; fixed
+    seeds, so not flaky), and every window's verdict is "reproduced"."""
+    n, b = 6, 2
+    schedule = MT.block_two_stream_schedule(n, b)
+    gaps = []
+    for d in range(15):
+        gen = torch.Generator().manual_seed(100 + d)
+        model = MT.init_masked_transformer(d_model=8, n_layers=3, n_heads=2, generator=gen)
+        emb = torch.randn(n, 8, dtype=torch.float64, generator=gen)
+        gaps.append(PM.train_inference_gap(model, T.block_two_stream(n, b), emb, schedule))
+    inside = 0
+    for i in range(10):
+        window = gaps[i:i + 5]
+        lo, hi = min(window), max(window)
+        assert verdict("hasse-train-equals-inference", hi, (lo, hi)) == "reproduced"
+        inside += lo <= gaps[i + 5] <= hi
+    assert 3 <= inside <= 10, inside
