@@ -54,7 +54,8 @@ def pytest_collection_modifyitems(items):
 
 
 def toc_yaml(chapters: list[str]) -> str:
-    lines = ["format: jb-book", "root: book/intro", "parts:", "  - caption: Chapters",
+    lines = ["format: jb-book", "root: book/intro", "parts:", "  - caption: Findings",
+             "    chapters:", "      - file: book/_generated/findings", "  - caption: Chapters",
              "    numbered: true", "    chapters:"]
     lines += [f"      - file: book/_generated/chapters/{c}" for c in chapters]
     lines += ["  - caption: Reproducibility", "    chapters:",

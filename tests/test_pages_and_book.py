@@ -201,8 +201,14 @@ def test_bibtex_entry_of_the_repository_and_of_a_table():
     table = {**SIDECAR, "id": "demo-t", "type": "table", "git_commit": "unknown"}
     _, parsed = _parse_bibtex(citations.bibtex_entry(table))
     assert parsed.fields["title"].endswith("table \\texttt{demo-t}")
-    # No commit to point at: the url is the repository itself.
-    assert parsed.fields["url"] == site.repository_url(REPO)
+    # No commit to point at: the url is the repository itself, unless the address is
+    # still the shipped placeholder, which names no repository: then there is no url.
+    if site.is_placeholder(site.repository_url(REPO)):
+        assert "url" not in parsed.fields
+    else:
+        assert parsed.fields["url"] == site.repository_url(REPO)
+    _, real = _parse_bibtex(citations.bibtex_entry(table, None, "https://github.com/o/r"))
+    assert real.fields["url"] == "https://github.com/o/r"
     assert [str(a) for a in parsed.persons["author"]] == [
         "{Attention, Reproduced contributors}"]
 
@@ -259,7 +265,7 @@ def test_built_book_passes_browser_check(ran_demo_project):
     assert "_static/mathjax/tex-chtml.js" in page and "cdn.jsdelivr" not in page
     report = check_book(p, p.build_dir / "html")
     assert report.ok, report.summary()
-    assert len(report.pages) == 5
+    assert len(report.pages) == 6  # intro, findings, demo, index, report, references
     demo = next(r for r in report.pages if r.page.endswith("demo.html"))
     # Inline maths, and the definition's $$ display block (rendered, no raw LaTeX left).
     assert demo.images >= 1 and demo.math >= 4
@@ -297,10 +303,22 @@ def test_browser_check_detects_broken_image_and_raw_latex(demo_project):
                         '<pre>n = 1</pre></div><div class="report-summary"><div class="pst-'
                         'scrollable-table-container" style="overflow-x: auto"><table><tr><td '
                         'style="min-width: 500px">a table too wide for a phone</td></tr>'
-                        "</table></div></div></article>", 1)
+                        "</table></div></div>" + "".join(
+                            f'<div class="pst-scrollable-table-container"><table><caption '
+                            f'id="{cid}"{style}>A caption as long as a sentence that says what '
+                            f'the table shows</caption><tr><td style="min-width: 900px">wide'
+                            "</td></tr></table></div>"
+                            for cid, style in (("cut", ' style="position: static; display: '
+                                                       'table-caption; max-width: none; '
+                                                       'width: 600px"'),
+                                               ("kept", ""))) + "</article>", 1)
     page.write_text(text)
     report = check_book(p, html_dir, pages=["book/_generated/chapters/demo.html"])
     summary = report.summary()
+    # A caption as wide as its scrolling table is cut at the screen's edge; the book's
+    # stylesheet keeps an ordinary one in view, wrapped.
+    assert "cut off at 400 px: ['caption#cut" in summary, summary
+    assert "caption#kept" not in summary, summary
     assert not report.ok and "images not loaded" in summary
     assert "raw LaTeX in the page text" in summary, summary
     assert "scrolls sideways at 400 px" in summary and "at 1400 px" not in summary, summary

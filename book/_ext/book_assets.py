@@ -8,6 +8,9 @@
   the built HTML, at stable addresses.
 - Add the book's stylesheet ``book/_static/book.css`` (cell outputs wrap, tables scroll
   in their own box, the Cite line, the compact figure index).
+- A book whose ``_config.yml`` still holds the placeholder repository address (a local
+  build before ``python -m companion.book.site set-url``) shows no repository, issues or
+  launch button: they would point at a repository that does not exist.
 - Drop duplicated inline scripts: the Jupyter Book stack registers sphinx-thebe's and
   sphinx-togglebutton's inline configuration twice (once with filename None, once with
   ''), so ``const THEBE_JS_URL = ...`` appears twice on every page and the browser
@@ -69,7 +72,26 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
     context["script_files"][:] = unique
 
 
+#: The shipped placeholder address (companion.book.site.PLACEHOLDER_REPOSITORY; this
+#: extension runs inside Sphinx without importing the library).
+PLACEHOLDER_REPOSITORY = "https://github.com/attention-reproduced/attention-reproduced"
+
+
+def _hide_placeholder_links(app, config):
+    options = dict(config.html_theme_options or {})
+    url = str(options.get("repository_url") or "").rstrip("/").removesuffix(".git")
+    if url and url != PLACEHOLDER_REPOSITORY:
+        return
+    for key in ("use_repository_button", "use_issues_button", "use_edit_page_button",
+                "use_source_button"):
+        options[key] = False
+    options["launch_buttons"] = {}
+    options.pop("repository_url", None)
+    config.html_theme_options = options
+
+
 def setup(app):
+    app.connect("config-inited", _hide_placeholder_links)
     # Early priority: html-page-context is emitted with emit_firstresult, so a handler
     # after one that returns a template name would never run.
     app.connect("html-page-context", _dedupe_scripts, priority=1)

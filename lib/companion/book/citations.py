@@ -118,7 +118,7 @@ def bibtex_entry(item: dict[str, Any], metadata: dict[str, Any] | None = None,
         ("year", str(item.get("created") or "")[:4]),
         ("howpublished", f"Jupyter Book, chapter {_bibtex_text(item.get('chapter', ''))}"),
     ]
-    if repository:
+    if repository and not site.is_placeholder(repository):
         fields.append(("url", site.tree_url(repository, commit) if known else repository))
     if metadata.get("version"):
         fields.append(("version", _bibtex_text(metadata["version"])))

@@ -475,9 +475,32 @@ const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') +
 const boxes = Array.from(document.querySelectorAll(arguments[0]))
   .filter(e => e.scrollWidth > e.clientWidth + 1)
   .map(e => name(e) + ' scrolls ' + (e.scrollWidth - e.clientWidth) + ' px');
+// Captions and figures must be seen whole: none may reach past the screen or past the
+// visible part of a box that scrolls (a caption as wide as its scrolling table is cut).
+const clipped = [];
+for (const el of document.querySelectorAll(arguments[1])) {
+  const r = el.getBoundingClientRect();
+  if (!(r.width > 0 && r.height > 0)) continue;
+  let left = 0, right = w, p = el.parentElement;
+  while (p && p !== document.body) {
+    const s = getComputedStyle(p);
+    if (s.overflowX !== 'visible') {
+      const pr = p.getBoundingClientRect();
+      left = Math.max(left, pr.left); right = Math.min(right, pr.right);
+    }
+    p = p.parentElement;
+  }
+  if (r.right > right + 1 || r.left < left - 1) {
+    clipped.push(name(el) + ' shows ' + Math.round(Math.min(r.right, right) -
+      Math.max(r.left, left)) + ' of ' + Math.round(r.width) + ' px');
+  }
+}
 return {scrollWidth: width, innerWidth: w, offenders: leaves.slice(0, 4).map(name),
-        boxes: boxes.slice(0, 4)};
+        boxes: boxes.slice(0, 4), clipped: clipped.slice(0, 4)};
 """
+
+#: What a reader must see whole at every width: captions and figures (their images).
+MUST_SHOW_WHOLE = "caption, figcaption, figure img, div.figure img"
 
 #: What must fit the screen without a scroll bar of its own: the report's summary table
 #: and the figure index (a reader on a phone reads them whole).
@@ -496,6 +519,9 @@ def sideways_problem(state: dict, width: int) -> str:
     >>> sideways_problem({"scrollWidth": 400, "innerWidth": 400, "offenders": [],
     ...                   "boxes": ["table.figure-index scrolls 31 px"]}, 400)
     "does not fit at 400 px: ['table.figure-index scrolls 31 px']"
+    >>> sideways_problem({"scrollWidth": 400, "innerWidth": 400, "offenders": [],
+    ...                   "clipped": ["caption shows 360 of 702 px"]}, 400)
+    "cut off at 400 px: ['caption shows 360 of 702 px']"
     """
     problems = []
     if state["scrollWidth"] > state["innerWidth"]:
@@ -503,6 +529,8 @@ def sideways_problem(state: dict, width: int) -> str:
                         f"wide): {state['offenders']}")
     if state.get("boxes"):
         problems.append(f"does not fit at {width} px: {state['boxes']}")
+    if state.get("clipped"):
+        problems.append(f"cut off at {width} px: {state['clipped']}")
     return "; ".join(problems)
 
 
@@ -891,7 +919,8 @@ def _open_pages(browser: str, driver_path: str, build_dir: Path, pages: list[str
                         _set_viewport(driver, width, 1000)
                         _load(driver, f"{base}/{page}", poll_seconds)
                     problem = sideways_problem(
-                        driver.execute_script(_SIDEWAYS_JS, ", ".join(MUST_FIT)), width)
+                        driver.execute_script(_SIDEWAYS_JS, ", ".join(MUST_FIT),
+                                              MUST_SHOW_WHOLE), width)
                     if problem:
                         res.problems.append(problem)
                     if screenshots:

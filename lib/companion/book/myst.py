@@ -243,7 +243,7 @@ def commit_text(record: dict[str, Any]) -> str:
     commit = str(record.get("git_commit") or "unknown")
     short = f"`{commit[:12]}`"
     repository = record.get("repository")
-    if not repository or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+    if site.is_placeholder(repository) or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
         return short
     return f"[{short}]({site.commit_url(repository, commit)})"
 

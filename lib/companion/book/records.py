@@ -381,8 +381,11 @@ def _declaration(declared, role: str) -> dict[str, Any]:
             "resamples": declared.resamples, "level": declared.level}
 
 
-def record_inventory() -> dict[str, Any]:
+def record_inventory(setting: str = "") -> dict[str, Any]:
     """Save and show the active chapter's statement inventory with this run's verdicts.
+
+    ``setting`` says in a few words what the verdicts were measured with (the model, the
+    sizes), for the Findings page: "MPNet (12 layers) on 600 windows".
 
     Every statement of ``companion.book.statements.<chapter>`` is written to
     ``<output>/inventory.json`` with its status: "tested" (the verdicts of its paper
@@ -416,7 +419,8 @@ def record_inventory() -> dict[str, Any]:
                      "claims": list(s.claims), "verdicts": verdicts, "status": status,
                      "not_comparable": s.not_comparable})
     record = Record({"id": f"{chapter.prefix}-inventory", "type": "inventory",
-                     "statements": rows, **_provenance(chapter)})
+                     "setting": " ".join(str(setting).split()), "statements": rows,
+                     **_provenance(chapter)})
     atomic_write_text(chapter.output_dir / "inventory.json", dumps(record))
     display_markdown(myst.inventory_table(rows))
     return record

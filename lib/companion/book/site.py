@@ -40,6 +40,16 @@ DISTRIBUTION = "attention-reproduced"
 PLACEHOLDER_REPOSITORY = "https://github.com/attention-reproduced/attention-reproduced"
 
 
+def is_placeholder(url: str | None) -> bool:
+    """Whether ``url`` is the shipped placeholder address (or empty): a page built with it
+    shows no link to the repository, which does not exist.
+
+    >>> is_placeholder(PLACEHOLDER_REPOSITORY + "/"), is_placeholder("https://github.com/o/r")
+    (True, False)
+    """
+    return not url or str(url).rstrip("/").removesuffix(".git") == PLACEHOLDER_REPOSITORY
+
+
 #: The branch, pushed by the publishing workflow, that holds the source tree of the last
 #: published build plus its executed notebooks (what Binder and Colab open).
 LAUNCH_BRANCH = "notebooks"
