@@ -22,9 +22,9 @@ import torch
 from companion._validate import check_int, check_number
 from companion.lra.experiments import bootstrap, loglog_slope, model_flops, spearman
 
-__all__ = ["LRA_LENGTHS", "PAPER_MODEL", "AccuracyComparison", "compare_accuracy",
-           "mean_density", "density_change", "density_difficulty_correlation",
-           "inference_memory", "cost_ratio_at_length", "density_extremes",
+__all__ = ["LRA_LENGTHS", "PAPER_MODEL", "SAMPLERS", "AccuracyComparison",
+           "compare_accuracy", "mean_density", "density_change",
+           "density_difficulty_correlation", "inference_flops", "inference_memory", "cost_ratio_at_length", "density_extremes",
            "cost_against_edges"]
 
 # sequence lengths of the LRA tasks in the authors' lra_config (ListOps 2000 tokens,
@@ -36,6 +36,11 @@ PAPER_MODEL = dict(dim=64, heads=2, head_dim=32, ffn=128, num_layers=2, clusters
 # list (group, query, key: three int64), its CSR row and column (int32 each, see
 # companion.sbm.graph_attention.EdgeGraph), and a float32 score and weight per edge
 EDGE_BYTES = 3 * 8 + 2 * 4 + 2 * 4
+# how an SBM head's graph is sampled: "fastrg" is the paper's algorithm (Rohe et al.'s
+# fastRG: column sums of the memberships and S~ = diag(colsum Qhat) S diag(colsum Khat),
+# then O(1) index work per edge); "query-major" is companion.sbm's sampler, which also
+# forms Qhat S (n k^2 multiply-adds per head) to draw the edges in query order
+SAMPLERS = ("fastrg", "query-major")
 
 
 def _seeds_items(name: str, x) -> np.ndarray:
@@ -167,9 +172,34 @@ def density_difficulty_correlation(density, difficulty, *, reps: int = 1000, see
     return rho, ci
 
 
+def inference_flops(n, density, *, attention: str, sampler: str = "fastrg",
+                    classes: int = 10, **model):
+    """Inference FLOPs of one input of ``n`` tokens: :func:`companion.lra.experiments.
+    model_flops` (which counts ``Qhat S``, ``2 n k^2`` per SBM head, as companion.sbm's
+    sampler forms it), with ``sampler="fastrg"`` (default) counting the paper's fastRG
+    instead: the memberships' column sums (``2 n k``) and ``S~`` (``2 k^2``) in place of
+    ``Qhat S``. ``model`` overrides :data:`PAPER_MODEL`.
+
+    >>> a = inference_flops(1024, 0.1, attention="sbm", sampler="query-major")
+    >>> b = inference_flops(1024, 0.1, attention="sbm")
+    >>> int(a - b) == 2 * 2 * (2 * 1024 * 128 ** 2 - 2 * 1024 * 128 - 2 * 128 ** 2)
+    True
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler: expected one of {SAMPLERS}, got {sampler!r}")
+    kw = {**PAPER_MODEL, **model}
+    flops = model_flops(n, density, attention=attention, classes=classes, **kw)
+    if attention == "sbm" and sampler == "fastrg":
+        n_arr, k = np.asarray(n, dtype=float), kw["clusters"]
+        flops = flops - kw["num_layers"] * kw["heads"] * (
+            2 * n_arr * k ** 2 - 2 * n_arr * k - 2 * k ** 2)
+    return float(flops) if np.ndim(flops) == 0 else flops
+
+
 def inference_memory(n, density, *, attention: str, dim: int = 64, heads: int = 2,
                      head_dim: int = 32, ffn: int = 128, clusters: int = 128,
-                     float_bytes: int = 4, edge_bytes: int = EDGE_BYTES):
+                     float_bytes: int = 4, edge_bytes: int = EDGE_BYTES,
+                     sampler: str = "fastrg", num_layers: int = 2):
     """Peak bytes of live tensors in an inference forward of one input of ``n`` tokens.
 
     The layers are alike, so the peak is one layer's larger stage: attention or FFN.
@@ -178,19 +208,22 @@ def inference_memory(n, density, *, attention: str, dim: int = 64, heads: int = 
 
     - dense (the plain softmax Transformer the paper compares with): the score and
       weight matrices, ``2 n^2`` floats;
-    - SBM (``companion.sbm``): the MLP's hidden and output for queries and keys
-      (``4 n d``), the memberships and ``Qhat S`` (``3 n k``), ``S`` (``k^2``), and
-      ``edge_bytes`` per sampled edge on ``density n^2`` edges.
+    - SBM: the MLP's hidden and output for queries and keys (``4 n d``), the
+      memberships (``2 n k``; ``Qhat S`` adds ``n k`` with ``sampler="query-major"``),
+      ``S`` (``k^2``), and ``edge_bytes`` per sampled edge on ``density n^2`` edges (the
+      edge list as companion.sbm holds it).
 
     The FFN stage holds its hidden layer before and after the GELU (``2 n ffn``).
     Numbers or numpy arrays (``n`` and ``density`` broadcast); ``density`` is ignored
-    for dense attention.
+    for dense attention; ``num_layers`` does not change a peak (the layers run in turn).
 
     >>> inference_memory(100, 1.0, attention="dense", dim=4, heads=1, head_dim=4, ffn=8)
-    81600.0
+    89600.0
     """
     if attention not in ("dense", "sbm"):
         raise ValueError(f"attention: expected 'dense' or 'sbm', got {attention!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler: expected one of {SAMPLERS}, got {sampler!r}")
     n = np.asarray(n, dtype=float)
     floats = 2 * n * dim + 4 * n * heads * head_dim
     extra = 0.0
@@ -198,7 +231,8 @@ def inference_memory(n, density, *, attention: str, dim: int = 64, heads: int = 
         floats = floats + heads * 2 * n * n
     else:
         rho = np.asarray(density, dtype=float)
-        floats = floats + heads * (4 * n * head_dim + 3 * n * clusters + clusters ** 2)
+        per_node = 3 if sampler == "query-major" else 2
+        floats = floats + heads * (4 * n * head_dim + per_node * n * clusters + clusters ** 2)
         extra = heads * rho * n * n * edge_bytes
     attention_stage = floats * float_bytes + extra
     ffn_stage = (2 * n * dim + 2 * n * ffn) * float_bytes
@@ -207,14 +241,16 @@ def inference_memory(n, density, *, attention: str, dim: int = 64, heads: int = 
 
 
 def cost_ratio_at_length(density, *, length: int, measure: str, classes: int,
-                         reps: int = 1000, seed: int = 0, **model):
+                         reps: int = 1000, seed: int = 0, sampler: str = "fastrg",
+                         **model):
     """SBM over dense cost of inference at sequence length ``length``, at the densities
     the trained SBM heads reach (``[seeds, test inputs]``), with an interval over seeds
     and inputs.
 
-    ``measure`` "flops" (:func:`companion.lra.experiments.model_flops`) or "memory"
-    (:func:`inference_memory`); both models see ``length`` tokens per input; ``model``
-    overrides :data:`PAPER_MODEL`. The ratio is of sums over the inputs (a batch's cost).
+    ``measure`` "flops" (:func:`inference_flops`) or "memory" (:func:`inference_memory`),
+    for the SBM heads' ``sampler`` (default: the paper's fastRG); both models see
+    ``length`` tokens per input; ``model`` overrides :data:`PAPER_MODEL`. The ratio is of
+    sums over the inputs (a batch's cost).
 
     >>> r, ci = cost_ratio_at_length(np.full((1, 3), 1.0), length=1024, measure="flops",
     ...                              classes=2, reps=10)
@@ -225,12 +261,11 @@ def cost_ratio_at_length(density, *, length: int, measure: str, classes: int,
     length = check_int("length", length, minimum=1)
     if measure not in ("flops", "memory"):
         raise ValueError(f"measure: expected 'flops' or 'memory', got {measure!r}")
-    kw = {**PAPER_MODEL, **model}
+    kw = {**PAPER_MODEL, **model, "sampler": sampler}
     if measure == "flops":
-        cost = lambda rho, att: model_flops(length, rho, attention=att,  # noqa: E731
-                                            classes=classes, **kw)
+        cost = lambda rho, att: inference_flops(length, rho, attention=att,  # noqa: E731
+                                                classes=classes, **kw)
     else:
-        kw.pop("num_layers", None)
         cost = lambda rho, att: inference_memory(length, rho, attention=att,  # noqa: E731
                                                  **kw)
     dense = cost(1.0, "dense")

@@ -62,8 +62,9 @@ def _far_less(task: str) -> PaperClaim:
 
 def _cost(task: str, length: int, measure: str) -> PaperClaim:
     what = "FLOPs" if measure == "flops" else "peak memory"
-    how = ("experiments.model_flops: projections, FFN, classifier, 4d FLOPs per edge; for "
-           "SBM also the membership MLP, C Cᵀ and Q̂S" if measure == "flops" else
+    how = ("paper_measures.inference_flops: projections, FFN, classifier, 4d FLOPs per "
+           "edge; for SBM also the membership MLP, C Cᵀ and fastRG's column sums and S̃"
+           if measure == "flops" else
            "paper_measures.inference_memory: live tensors of a layer's attention or FFN "
            "stage; dense holds its n² scores and weights per head, SBM 40 bytes per "
            "sampled edge plus memberships")
