@@ -10,7 +10,6 @@ about as often as their level implies."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from falsify import assert_flips, falsifies, verdict
 

@@ -16,24 +16,24 @@ README = "per the authors' code README"
 
 # What every interval of this chapter resamples: the Monte Carlo paths, each an
 # independent draw of what the statements range over.
-PATHS = ("the Monte Carlo paths (95 % percentile bootstrap): each path has its own "
+PATHS = ("the Monte Carlo paths (expanded percentile bootstrap): each path has its own "
          "initial token cloud (octahedron vertices plus Gaussian noise), its own initial "
          "weights D_h(0) = Z + Zᵀ and its own weight-noise path")
 
 _ORDER_TOL = Threshold(
     kind="abs", value=1.0, by="ours", tolerance=0.25,
-    reason="A discretised identity closes at the scheme's order, 1 for projected Euler; "
+    reason="a discretised identity closes at the scheme's order, 1 for projected Euler; "
            "the paper gives no number. The interval must lie closer to 1 than to 0.5 (a "
-           "residual that barely shrinks) or 1.5: within 1 ± 0.25.",
+           "residual that barely shrinks) or 1.5: within 1 ± 0.25",
     set_after_result="dd8f42b: widened from the range (0.9, 1.1) of b0fd6dd after the "
                      "first runs")
 
 _EDI_REL = Threshold(
     kind="abs", value=0.0, by="ours", tolerance=0.1,
-    reason="An identity verified numerically leaves only discretisation error, and it "
+    reason="an identity verified numerically leaves only discretisation error, and it "
            "tests its slope term only if that error is small against the term: we "
            "require the path-mean residual at t = T to be within 10 % of the path-mean "
-           "∫G² (with G² set to zero the ratio is about -1).",
+           "∫G² (with G² set to zero the ratio is about -1)",
     set_after_result="chosen in this commit after seeing ratios of 0.05 (H = 1) and 0.75 "
                      "(H = 100) at dt = 0.01; it replaces 5 % of max|E(t) - E(0)| "
                      "(EDI_REL_TOL, dd8f42b, set with the measurement), which was larger "
@@ -47,10 +47,10 @@ _EDI_PLACE = (f"{ARXIV}, Section 6 and Eq. (81) ({README}); the sentence: (secon
 
 _GRONWALL = Threshold(
     kind="at_most", value=1.0, by="ours",
-    reason="The paper proves a bound of the form exp(∫L)·(initial distance) (plus a "
+    reason="the paper proves a bound of the form exp(∫L)·(initial distance) (plus a "
            "forcing term for the weights) without the constant we can read here; L is our "
            "Lipschitz constant (gf.lipschitz_constant), so the ratio W₂/bound must stay "
-           "at most 1 where the bound is below the sphere's diameter 2.")
+           "at most 1 where the bound is below the sphere's diameter 2")
 
 CLAIMS: list[PaperClaim] = [
     PaperClaim(
@@ -61,9 +61,9 @@ CLAIMS: list[PaperClaim] = [
         place=f"{ARXIV}, Theorem 4.16 and Section 6 ({README}: 'b ≈ -1 (OU)')",
         threshold=Threshold(
             kind="abs", value=-1.0, by="ours", tolerance=0.25,
-            reason="The exponent -1 is the paper's (O(1/H)); the slack is ours: the "
+            reason="the exponent -1 is the paper's (O(1/H)); the slack is ours: the "
                    "interval must lie closer to -1 than to -0.5, the 1/√H a plain Monte "
-                   "Carlo average would give.",
+                   "Carlo average would give",
             set_after_result="dd8f42b: widened from the range (-1.2, -0.8) of b0fd6dd "
                              "after the first runs"),
         falsifier="oscillating weights with one common target F(t) in place of the "
@@ -77,8 +77,8 @@ CLAIMS: list[PaperClaim] = [
         place=f"{ARXIV}, Section 6 ({README}); (secondary summary), numerical validation",
         threshold=Threshold(
             kind="abs", value=0.0, by="ours", tolerance=0.25,
-            reason="'No decay' is b = 0 (the README's number); the slack is ours: closer "
-                   "to 0 than to -0.5, the weakest decay we would call one.",
+            reason="'no decay' is b = 0 (the README's number); the slack is ours: closer "
+                   "to 0 than to -0.5, the weakest decay we would call one",
             set_after_result="dd8f42b: widened from the range (-0.2, 0.2) of b0fd6dd "
                              "after the first runs"),
         falsifier="head h given the phase 2πh/H (the published package's spread "
@@ -96,11 +96,11 @@ CLAIMS: list[PaperClaim] = [
               "asymptotic behaviour and numerical validation",
         threshold=Threshold(
             kind="at_most", value=0.1, by="ours",
-            reason="At a stationary point the attention pull under the limit law is "
+            reason="at a stationary point the attention pull under the limit law is "
                    "normal to the sphere (tangential share 0); a uniformly random cloud "
                    "has 0.1 to 0.2 and the oscillating regime's cloud about 0.2. With H "
                    "heads the weight law is within O(H^-1/2) of its limit, 0.1 at the "
-                   "paper's H = 100.",
+                   "paper's H = 100",
             set_after_result="chosen in this commit after a first look at the shares "
                              "(0.04 for OU at H = 100, 0.2 oscillating, ci sizes)"),
         falsifier="the final state of a run with oscillating weights (a state that is "
@@ -116,9 +116,9 @@ CLAIMS: list[PaperClaim] = [
               "validation, oscillating regime (snapshots at t = 16, 18, 20)",
         threshold=Threshold(
             kind="at_least", value=0.1, by="ours",
-            reason="The paper judges settling on snapshots at t = 16, 18, 20 of T = 20; "
+            reason="the paper judges settling on snapshots at t = 16, 18, 20 of T = 20; "
                    "we require the cloud to move by at least W₂ = 0.1 (5 % of the "
-                   "sphere's diameter) over the last fifth of the run.",
+                   "sphere's diameter) over the last fifth of the run",
             set_after_result="8296eb2: SETTLE_W2 = 0.1 'set with the measurement above' "
                              "(first set in dd8f42b)"),
         falsifier="tokens held fixed over the last fifth of the run (W₂ = 0)",
@@ -133,10 +133,10 @@ CLAIMS: list[PaperClaim] = [
               "asymptotic behaviour and numerical validation",
         threshold=Threshold(
             kind="at_most", value=0.5, by="ours",
-            reason="A token is in a cluster when another token is within inner product "
+            reason="a token is in a cluster when another token is within inner product "
                    "0.999 of it (GLPR's criterion); a clustered cloud has every token in "
                    "a cluster (share 1), and we call the cloud clustered when most of "
-                   "its tokens are: the share must be at most 0.5.",
+                   "its tokens are: the share must be at most 0.5",
             set_after_result="chosen in this commit after a first look at smoke and "
                              "n = 50 runs (0.1 to 0.5 under descent, 1 under the "
                              "clustering sign)"),
