@@ -2,14 +2,20 @@
 2 to ``lanes`` intra-op threads, one batch per thread: lanes, see
 :class:`CaptureSettings`), in one process, sharded over ``torch.distributed`` ranks,
 or started under ``torchrun`` from here
-(``nproc``); and the ``torchrun -m companion.context_similarity`` command line.
+(``nproc``); optionally resumable (``checkpoint``: partial sums saved atomically every
+few hundred windows, a re-run continues from the last save); and the
+``torchrun -m companion.context_similarity`` command line.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import threading
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -83,6 +89,8 @@ def analyse_corpus(
     nproc: int | None = None,
     settings: CaptureSettings = CaptureSettings(),
     into: SimilarityStats | tuple[SimilarityStats | None, ...] | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 256,
 ) -> SimilarityStats | tuple[SimilarityStats, ...]:
     """Context-similarity statistics of a model over a set of windows.
 
@@ -129,6 +137,27 @@ def analyse_corpus(
         None: fresh ones), instead of new ones; their own ``per_window`` and tracked tokens
         apply. Two calls over consecutive windows then sum exactly as one call over all of
         them does when the first call's windows are a multiple of ``batch_size``.
+    checkpoint : a directory, or None. Makes the pass resumable: the windows are taken
+        in chunks of ``checkpoint_every`` windows (rounded up to whole batches), each
+        added to the statistics with ``into`` (so the sums are those of one pass, bit for
+        bit, with ``nproc=1``), and after each chunk the partial statistics are saved
+        atomically (written to a temporary file, then renamed) as
+        ``context-similarity-<key>.pt``. The key is a SHA-256 of the model (class,
+        configuration, dtype and every weight's bytes), the windows (all four tensors and
+        the corpus names), the parameters (``where``, ``batch_size``, ``percentile``,
+        ``attention_threshold``, the separator ids, ``per_window``, ``track_tokens``,
+        ``settings``, ``checkpoint_every``, ``nproc``, the statistics' device type), the
+        source of ``companion.context_similarity`` and the torch and transformers
+        versions. A call with the same key after an interrupt, a kill or a crash
+        continues after the last saved chunk and returns what an uninterrupted call
+        returns, bit for bit (tested with a killed process), given the model loaded the
+        same way (e.g. :func:`load_encoder` on the same folder: where a loaded weight
+        lies in memory can change a GEMM's last bits); a different key never reads
+        another key's file. A finished pass leaves its file: the same call again returns
+        the saved statistics without a forward pass. Not with ``into`` or inside an
+        initialised process group (call it from one process, with ``nproc``).
+    checkpoint_every : windows between saves (default 256: a few seconds of saving, the
+        per-window parts included, against minutes of forward passes for 12 layers).
 
     Returns
     -------
@@ -167,6 +196,23 @@ def analyse_corpus(
     from companion.parallel import requested_nproc, torchrun_call
 
     nproc = requested_nproc() if nproc is None else check_int("nproc", nproc, minimum=1)
+    if checkpoint is not None:
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            raise TypeError(f"checkpoint: expected a directory path or None, got "
+                            f"{type(checkpoint).__name__}")
+        checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=1)
+        if into is not None:
+            raise ValueError("into: not with checkpoint (a resumable pass makes its own "
+                             "statistics; merge them afterwards)")
+        if distributed is not False and dist.is_available() and dist.is_initialized():
+            raise ValueError("checkpoint: not inside an initialised process group; call "
+                             "analyse_corpus from one process with nproc= instead")
+        out = _checkpointed(model, windows, Path(checkpoint), checkpoint_every, dict(
+            separators=dict(separators), where=wheres, batch_size=batch_size,
+            percentile=percentile, attention_threshold=attention_threshold, device=device,
+            per_window=windowed, track_tokens=track_tokens, nproc=nproc, settings=settings,
+            distributed=distributed, group=group), progress)
+        return out if isinstance(where, tuple) else out[0]
     if nproc > 1 and distributed is not False and not (dist.is_available()
                                                          and dist.is_initialized()):
         kind = next(model.parameters()).device.type
@@ -275,6 +321,136 @@ def analyse_corpus(
         fresh = [s if t is None else t.merge(s) for s, t in zip(fresh, targets)]
     return tuple(fresh) if isinstance(where, tuple) else fresh[0]
 
+
+
+# --------------------------------------------------------------------------- resumable pass
+
+
+def _hash_tensor(h, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.view(-1).view(torch.uint8).numpy())
+
+
+def _code_digest() -> str:
+    """SHA-256 of the source of companion.context_similarity (every module: the
+    statistics' definitions and the pass alike) and the versions that compute them."""
+    import transformers
+
+    h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}"
+                       .encode())
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def checkpoint_key(model, windows, params: dict) -> str:
+    """The key of a resumable pass (see :func:`analyse_corpus` ``checkpoint``): a SHA-256
+    of the model (class, configuration but for the folder it was loaded from and the
+    transformers version that wrote it, dtype, every weight), the windows, the parameters
+    and the code."""
+    h = hashlib.sha256(b"companion.context_similarity checkpoint 1")
+    h.update(type(model).__name__.encode())
+    # the configuration without where it was loaded from (the weights are hashed below)
+    config = {k: v for k, v in model.config.to_dict().items()
+              if k not in ("_name_or_path", "transformers_version")}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        _hash_tensor(h, t)
+    h.update(windows.corpus.encode())
+    for t in (windows.input_ids, windows.attention_mask, windows.sentence_ids,
+              windows.document_ids):
+        _hash_tensor(h, t)
+    plain = {k: v for k, v in params.items() if k not in ("track_tokens", "settings", "group")}
+    plain["settings"] = asdict(params["settings"])
+    h.update(json.dumps(plain, sort_keys=True, default=str).encode())
+    if params.get("track_tokens") is not None:
+        _hash_tensor(h, params["track_tokens"])
+    h.update(_code_digest().encode())
+    return h.hexdigest()
+
+
+def _load_checkpoint(path: Path, key: str):
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is started over, said why
+        import warnings
+
+        warnings.warn(f"checkpoint: {path} is unreadable ({type(exc).__name__}: {exc}); "
+                      "starting the pass over", stacklevel=3)
+        return None
+    return state if isinstance(state, dict) and state.get("key") == key else None
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    """Atomically: a temporary file in the same directory, flushed to disk, then renamed
+    over the previous save (a kill leaves either the old file or the new one)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _checkpointed(model, windows, folder: Path, every: int, params: dict, progress: bool):
+    """:func:`analyse_corpus` in chunks of ``every`` windows (whole batches), saved after
+    each chunk under the pass's key; resumes after the last saved chunk."""
+    from filelock import FileLock, Timeout
+
+    folder.mkdir(parents=True, exist_ok=True)
+    batch_size = params["batch_size"]
+    chunk = max(1, math.ceil(every / batch_size))  # batches per save
+    params = {**params, "checkpoint_every": chunk * batch_size}
+    model_device = next(model.parameters()).device
+    dev = model_device if params["device"] is None else resolve_device(params["device"])
+    key = checkpoint_key(model, windows, {**params, "device": dev.type, "distributed": None})
+    path = folder / f"context-similarity-{key[:32]}.pt"
+    try:
+        lock = FileLock(str(path) + ".lock", timeout=0)
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"checkpoint: another pass is running with {path}") from None
+    try:
+        for stale in folder.glob(f"{path.name}.tmp-*"):  # a save cut short by a kill
+            stale.unlink(missing_ok=True)
+        state = _load_checkpoint(path, key)
+        n_batches = math.ceil(len(windows) / batch_size)
+        done, stats = 0, None
+        if state is not None:
+            done = int(state["batches"])
+            stats = tuple(SimilarityStats.from_state_dict(s, device=dev)
+                          for s in state["stats"])
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(windows), initial=min(len(windows), done * batch_size),
+                       desc=f"context similarity ({'+'.join(params['where'])})",
+                       unit="window")
+        inner = {k: v for k, v in params.items() if k != "checkpoint_every"}
+        for start in range(done, n_batches, chunk):
+            end = min(start + chunk, n_batches)
+            part = windows[start * batch_size:end * batch_size]
+            if stats is None:
+                stats = analyse_corpus(model, part, **inner, progress=False)
+            else:
+                stats = analyse_corpus(model, part, **{**inner, "track_tokens": None},
+                                       into=stats, progress=False)
+            _save_checkpoint(path, {"key": key, "batches": end, "n_batches": n_batches,
+                                    "stats": [s.state_dict() for s in stats]})
+            if bar is not None:
+                bar.update(len(part))
+        if bar is not None:
+            bar.close()
+        return stats
+    finally:
+        lock.release()
 
 
 class _Cancelled(Exception):
