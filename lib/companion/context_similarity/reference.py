@@ -235,7 +235,8 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
     ``distance_sum``, ``short_range`` (``j - i <= short``), ``long_range`` (``> long_``),
     ``identical_long_range``, their chance counts (``k`` times the mean over the window's
     content pairs), ``tracked_endpoints`` / ``tracked_content`` of the token
-    ``tracked[l, h]``."""
+    ``tracked[l, h]``, and the per-input sums (``distance_bins``, the hub token's counts
+    ``hub_*``, ``mid_same_sentence``, their chance counts), by counting."""
     z, attn, ids, sent, mask = (result.outputs.double(), result.attentions,
                                 result.input_ids, result.sentence_ids,
                                 result.attention_mask.bool())
@@ -249,12 +250,23 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
              "in_attention_region", "n_masked", "masked_same_sentence",
              "masked_chance_same_sentence_distance", "distance_sum", "chance_distance_sum",
              "short_range", "chance_short_range", "long_range", "chance_long_range",
-             "identical_long_range"]
+             "identical_long_range", "chance_identical_long_range", "mid_same_sentence",
+             "chance_mid_same_sentence", "hub_endpoints", "hub_pairs", "hub_near",
+             "unrelated"]
     out = {n: torch.zeros(b, n_l, n_h, dtype=torch.float64)
            for n in names + ["tracked_endpoints", "tracked_content"]}
     out["n_queries"] = torch.zeros(b, dtype=torch.float64)
     out["separator_attention"] = torch.zeros(b, n_l, n_h, len(separators), dtype=torch.float64)
     out["chance_separator"] = torch.zeros(b, len(separators), dtype=torch.float64)
+    n_bins = max(1, (t - 1).bit_length())
+    out["distance_bins"] = torch.zeros(b, n_l, n_h, n_bins, dtype=torch.float64)
+    out["chance_distance_bins"] = torch.zeros(b, n_bins, dtype=torch.float64)
+    out["chance_hub_endpoints"] = torch.zeros(b, dtype=torch.float64)
+    out["hub_distinct"] = torch.zeros(b, n_l, dtype=torch.float64)
+
+    def log2_bin(dd):  # bin b: 2^b <= dd < 2^(b + 1)
+        return min(n_bins - 1, max(0, dd.bit_length() - 1))
+
     for w in range(b):
         valid = [p for p in range(t) if mask[w, p] and sent[w, p] >= 0]
         pairs = [(i, j) for a, i in enumerate(valid) for j in valid[a + 1:]]
@@ -274,6 +286,12 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
                     int(ids[w, p] == tracked[layer, h]) for p in valid)
         if not pairs:
             continue
+        from companion.context_similarity.stats import uniform_pairs_mode_count
+
+        out["chance_hub_endpoints"][w] = uniform_pairs_mode_count(
+            torch.tensor([int(ids[w, p]) for p in valid]), k)
+        for i, j in pairs:
+            out["chance_distance_bins"][w, log2_bin(j - i)] += k / len(pairs)
         same = {p: bool(sent[w, p[0]] == sent[w, p[1]]) for p in pairs}
         q = {dd: (sum(same[p] for p in pairs if p[1] - p[0] == dd)
                   / max(1, sum(1 for p in pairs if p[1] - p[0] == dd))) for dd in range(1, t)}
@@ -282,10 +300,27 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
             return k * sum(f(p) for p in pairs) / len(pairs)
 
         for layer in range(n_l):
+            hubs = []
             for h in range(n_h):
                 o = {n: 0.0 for n in names + ["tracked_endpoints"]}
                 ranked = sorted(pairs, key=lambda p: -sims_list[w][layer][h][p[0]][p[1]])
+
+                def region_of(i, j, w=w, layer=layer, h=h):
+                    return bool(max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold)
+
+                ends = [int(ids[w, q]) for pair in ranked[:k] for q in pair]
+                top = max(ends.count(x) for x in ends)
+                hub = min(x for x in ends if ends.count(x) == top)  # ties: smallest id
+                hubs.append(hub)
+                o["hub_endpoints"] = top
                 for i, j in ranked[:k]:
+                    out["distance_bins"][w, layer, h, log2_bin(j - i)] += 1
+                    touches = int(ids[w, i]) == hub or int(ids[w, j]) == hub
+                    o["hub_pairs"] += touches
+                    o["hub_near"] += touches and j - i <= short
+                    o["mid_same_sentence"] += same[(i, j)] and short < j - i <= long_
+                    o["unrelated"] += (not same[(i, j)] and not bool(ids[w, i] == ids[w, j])
+                                       and j - i > short and not region_of(i, j))
                     dd = j - i
                     region = max(attn[w, layer, h, i, j], attn[w, layer, h, j, i]) >= threshold
                     identical = bool(ids[w, i] == ids[w, j])
@@ -308,6 +343,11 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
                 o["chance_distance_sum"] = chance(lambda p: p[1] - p[0])
                 o["chance_short_range"] = chance(lambda p: p[1] - p[0] <= short)
                 o["chance_long_range"] = chance(lambda p: p[1] - p[0] > long_)
+                o["chance_identical_long_range"] = chance(
+                    lambda p: p[1] - p[0] > long_ and bool(ids[w, p[0]] == ids[w, p[1]]))
+                o["chance_mid_same_sentence"] = chance(
+                    lambda p: same[p] and short < p[1] - p[0] <= long_)
                 for n, value in o.items():
                     out[n][w, layer, h] = float(value)
+            out["hub_distinct"][w, layer] = len(set(hubs))
     return out

@@ -36,6 +36,10 @@ __all__ = [
     "SimilarityStats",
     "Statistic",
     "batch_sum",
+    "log2_bin",
+    "mode_count",
+    "n_distance_bins",
+    "uniform_pairs_mode_count",
     "window_sum",
 ]
 
@@ -47,6 +51,64 @@ def _k_of(n_pairs: torch.Tensor, percentile: float) -> torch.Tensor:
     """Number of pairs in the top ``percentile`` per cent (at least 1 when any pair)."""
     k = torch.round(n_pairs.double() * (percentile / 100.0)).long()
     return torch.minimum(torch.clamp(k, min=1), n_pairs)
+
+
+def n_distance_bins(length: int) -> int:
+    """Number of log2 distance bins for windows of ``length`` tokens: distances 1 to
+    ``length - 1`` fall in bins 0 (distance 1), 1 (2-3), 2 (4-7), ...
+
+    >>> n_distance_bins(128), n_distance_bins(13)
+    (7, 4)
+    """
+    return max(1, int(length - 1).bit_length())
+
+
+def log2_bin(distance: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """The log2 bin of integer distances (bin b: ``2^b <= d < 2^(b+1)``; d <= 1 in bin 0),
+    by comparisons with powers of two (exact, no floating-point logarithm).
+
+    >>> log2_bin(torch.tensor([1, 2, 3, 4, 7, 8, 127]), 7).tolist()
+    [0, 1, 1, 2, 2, 3, 6]
+    """
+    powers = 2 ** torch.arange(1, n_bins, device=distance.device)
+    return (distance[..., None] >= powers).sum(-1)
+
+
+def uniform_pairs_mode_count(tokens: torch.Tensor, k: int) -> int:
+    """How often the commonest token occurs among the endpoints of ``k`` pairs ``i < j``
+    of the positions of ``tokens`` (a window's content tokens) drawn uniformly without
+    replacement. The draw is seeded by the tokens themselves, so a window gives the same
+    count in any batch and in any order.
+
+    >>> uniform_pairs_mode_count(torch.tensor([7, 7, 7]), 3)  # every endpoint is 7
+    6
+    """
+    n = int(tokens.numel())
+    if n < 2 or k < 1:
+        return 0
+    tokens = tokens.long().cpu()
+    seed = int((tokens * torch.arange(1, n + 1)).sum()) % (2 ** 31 - 1)
+    gen = torch.Generator().manual_seed(seed + n)
+    i, j = torch.triu_indices(n, n, 1)
+    pick = torch.randperm(i.numel(), generator=gen)[:k]
+    return int(mode_count(torch.cat([tokens[i[pick]], tokens[j[pick]]]))[0])
+
+
+def mode_count(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The count and value of the most common entry along the last dimension (a tie goes
+    to the smallest value), batched over the leading dimensions.
+
+    >>> mode_count(torch.tensor([[3, 1, 3, 2, 1], [5, 5, 4, 4, 6]]))
+    (tensor([2, 2]), tensor([1, 4]))
+    """
+    s = values.sort(-1).values
+    n = s.shape[-1]
+    idx = torch.arange(n, device=s.device).expand_as(s)
+    start = torch.ones_like(s, dtype=torch.bool)
+    start[..., 1:] = s[..., 1:] != s[..., :-1]
+    run = idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values + 1
+    count, at = run.max(-1)  # the first maximum: the smallest value of the longest runs
+    return count, s.gather(-1, at[..., None])[..., 0]
 
 
 # --------------------------------------------------------------------------- registry
@@ -353,6 +415,35 @@ class PairBatch:
             per_layer.append(torch.matmul(from_content, key_kind.to(a.dtype)))
         return torch.stack(per_layer, dim=1).double()
 
+    # ---------------------------------------------------------------- per-input hubs
+
+    @cached_property
+    def distance_bin(self) -> torch.Tensor:
+        """[B, L, H, k_max] the log2 distance bin of each pair: bin b holds distances
+        2^b <= j - i < 2^(b + 1) (fillers, at distance 0, fall in bin 0 with weight 0)."""
+        return log2_bin(self.distance, n_distance_bins(self.length))
+
+    @cached_property
+    def _hub(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's most common token among the endpoints of its kept pairs in each
+        window, ``(token [B, L, H], endpoint count [B, L, H])``; a tie goes to the smaller
+        token id; a window without kept pairs counts 0."""
+        ends = torch.cat([self.token_i, self.token_j], dim=-1)  # [B, L, H, 2 k_max]
+        n = ends.shape[-1]
+        if self.selected is not None:  # fillers: distinct ids above the vocabulary
+            sentinel = self.stats.vocab_size + torch.arange(n, device=self.device)
+            ends = torch.where(torch.cat([self.selected, self.selected], dim=-1), ends,
+                               sentinel.expand_as(ends))
+        count, hub = mode_count(ends)
+        count = torch.where((self.k > 0)[:, None, None], count, torch.zeros_like(count))
+        return hub, count
+
+    @cached_property
+    def hub_pair(self) -> torch.Tensor:
+        """[B, L, H, k_max] kept pairs with an endpoint that is the head's hub token."""
+        hub = self._hub[0][..., None]
+        return self.kept((self.token_i == hub) | (self.token_j == hub))
+
     @cached_property
     def tracked(self) -> torch.Tensor:
         """[L, H] the token tracked per head."""
@@ -547,6 +638,80 @@ def _identical_long_range_w(b: PairBatch):
     return b.kept(b.identical & (b.distance > LONG_RANGE)).sum(3).double()
 
 
+@window_sum("chance_identical_long_range", needs="pairs")
+def _chance_identical_long_range_w(b: PairBatch):
+    ident = b._content_pairs & (b.ids[:, :, None] == b.ids[:, None, :])
+    return b.chance_count(b._by_distance(ident)[:, LONG_RANGE + 1:].sum(1))
+
+
+@window_sum("mid_same_sentence", needs="pairs")
+def _mid_same_sentence_w(b: PairBatch):
+    mid = (b.distance > SHORT_RANGE) & (b.distance <= LONG_RANGE)
+    return b.kept(mid & b.same_sentence).sum(3).double()
+
+
+@window_sum("chance_mid_same_sentence", needs="pairs")
+def _chance_mid_same_sentence_w(b: PairBatch):
+    return b.chance_count(b.same_sentence_by_distance[:, SHORT_RANGE + 1:LONG_RANGE + 1].sum(1))
+
+
+@window_sum("distance_bins", ("L", "H", "D"), needs="pairs")
+def _distance_bins_w(b: PairBatch):
+    n_bins = n_distance_bins(b.length)
+    out = torch.zeros(b.b, b.n_layers, b.n_heads, n_bins, dtype=torch.float64, device=b.device)
+    return out.scatter_add_(-1, b.distance_bin, b.weighed(torch.ones_like(b.distance,
+                                                                          dtype=torch.float64)))
+
+
+@window_sum("chance_distance_bins", ("D",), needs="pairs")
+def _chance_distance_bins_w(b: PairBatch):
+    n_bins = n_distance_bins(b.length)
+    d = torch.arange(b.length, device=b.device)
+    one_hot = (log2_bin(d, n_bins)[:, None] == torch.arange(n_bins, device=b.device)) & (d >= 1)[:, None]
+    by_bin = b.pairs_by_distance @ one_hot.double()  # [B, D]
+    return b.k.double()[:, None] * by_bin / b.n_pairs[:, None]
+
+
+@window_sum("unrelated", needs="pairs")
+def _unrelated_w(b: PairBatch):
+    # none of the relations the chapter measures: another sentence, different tokens,
+    # more than SHORT_RANGE apart, outside the high-attention region
+    return b.kept(~b.same_sentence & ~b.identical & (b.distance > SHORT_RANGE)
+                  & ~b.in_region).sum(3).double()
+
+
+@window_sum("hub_endpoints", needs="pairs")
+def _hub_endpoints_w(b: PairBatch):
+    return b._hub[1].double()
+
+
+@window_sum("chance_hub_endpoints", (), needs="pairs")
+def _chance_hub_endpoints_w(b: PairBatch):
+    # the same statistic (the commonest endpoint token's count) on k content pairs drawn
+    # uniformly: its expectation is not 2 k n_max / N, since a maximum over noisy counts
+    # exceeds the largest expected count; one draw per window, seeded by the window
+    ids, valid, k = b.ids.cpu(), b.valid.cpu(), b.k.cpu()
+    out = [float(uniform_pairs_mode_count(ids[w][valid[w]], int(k[w]))) for w in range(b.b)]
+    return torch.tensor(out, dtype=torch.float64, device=b.device)
+
+
+@window_sum("hub_pairs", needs="pairs")
+def _hub_pairs_w(b: PairBatch):
+    return b.hub_pair.sum(3).double()
+
+
+@window_sum("hub_near", needs="pairs")
+def _hub_near_w(b: PairBatch):
+    return (b.hub_pair & (b.distance <= SHORT_RANGE)).sum(3).double()
+
+
+@window_sum("hub_distinct", ("L",), needs="pairs")
+def _hub_distinct_w(b: PairBatch):
+    hub = b._hub[0].sort(-1).values  # [B, L, H]
+    distinct = 1 + (hub[..., 1:] != hub[..., :-1]).sum(-1)
+    return torch.where((b.k > 0)[:, None], distinct, torch.zeros_like(distinct)).double()
+
+
 @batch_sum("separator_attention", ("L", "H", "S"), torch.float64, needs="separators")
 def _separator_attention(b: PairBatch):
     return b.separator_attention_total
@@ -650,7 +815,18 @@ class SimilarityStats:
     ``chance_separator`` [W, S], ``n_queries`` [W] (content tokens). With
     :meth:`track_tokens` ``(ids [L, H])`` also ``tracked_endpoints`` (endpoints of head
     ``(l, h)``'s high pairs that are token ``ids[l, h]``) and ``tracked_content`` (content
-    tokens of the window equal to ``ids[l, h]``), for a held-out token lift. The cost is a
+    tokens of the window equal to ``ids[l, h]``), for a held-out token lift. For the
+    paper's per-input statements: ``distance_bins`` [W, L, H, D] (high pairs per log2
+    distance bin, :func:`log2_bin`) and ``chance_distance_bins`` [W, D] (uniform pairs'
+    expected counts); ``hub_endpoints`` (endpoints taken by the head's most common token in
+    the window, its *hub*), ``chance_hub_endpoints`` [W] (the same count for ``k`` pairs
+    drawn uniformly, :func:`uniform_pairs_mode_count`), ``hub_pairs`` / ``hub_near`` (high pairs
+    touching the hub; those at most ``SHORT_RANGE`` apart), ``hub_distinct`` [W, L]
+    (distinct hub tokens among a layer's heads); ``mid_same_sentence`` (same-sentence
+    pairs ``SHORT_RANGE < j - i <= LONG_RANGE``) and ``chance_mid_same_sentence``;
+    ``chance_identical_long_range``; ``unrelated`` (high pairs in two sentences, of two
+    different tokens, more than ``SHORT_RANGE`` apart and outside the high-attention
+    region). The cost is a
     few reductions over the ``[B, L, H, k]`` selected pairs; nothing changes when it is off.
     """
 
@@ -954,7 +1130,8 @@ class SimilarityStats:
             totals.append((stat.name, stat.total(batch)))
         windows = []
         if self.per_window:
-            dims = {"L": self.n_layers, "H": self.n_heads, "S": len(self.separators)}
+            dims = {"L": self.n_layers, "H": self.n_heads, "S": len(self.separators),
+                    "D": n_distance_bins(self.length)}
             for stat in STATISTICS.values():
                 if stat.window is None or (stat.needs == "tracked" and self._tracked is None):
                     continue
