@@ -613,7 +613,13 @@ def _main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", required=True, help="where rank 0 saves the statistics (.pt)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="directory: a resumable pass (one process, not under torchrun; "
+                             "see analyse_corpus)")
     args = parser.parse_args(argv)
+    if args.checkpoint is not None and "RANK" in os.environ:
+        parser.error("--checkpoint: run without torchrun (one process); the pass is resumed "
+                     "from the directory on a re-run")
 
     if "RANK" in os.environ and not dist.is_initialized():
         dev = resolve_device(args.device)
@@ -635,7 +641,8 @@ def _main(argv=None) -> int:
     wins = Windows.concat(parts)[: args.windows]
     stats = analyse_corpus(model, wins, tokenizer=tokenizer, where=args.where,
                            batch_size=args.batch_size, percentile=args.percentile,
-                           attention_threshold=args.attention_threshold)
+                           attention_threshold=args.attention_threshold,
+                           checkpoint=args.checkpoint)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(stats.state_dict(), args.out)
         print(f"saved statistics of {int(stats.n_windows)} windows to {args.out}")
