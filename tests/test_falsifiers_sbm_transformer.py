@@ -208,3 +208,12 @@ def test_compare_accuracy_refuses_unpaired_items():
         PM.compare_accuracy(np.ones((1, 3)), np.ones((1, 4)), 0.5)
     with pytest.raises(ValueError, match="majority"):
         PM.compare_accuracy(np.ones((1, 3)), np.ones((1, 3)), 1.5)
+
+
+def test_density_span_interval_is_calibrated_over_initialisations():
+    """Another seed's span (new heads, new graphs) falls inside seed 0's 95 % interval
+    about as often as its level says: at least 3 of 4 seeds (fixed seeds, no flakiness)."""
+    kw = dict(head_dim=32, clusters=16, n=32, inits=2, draws=4, steps=60, reps=REPS)
+    lo, hi = PM.density_extremes(seed=0, **kw)["interval"]
+    inside = [lo <= PM.density_extremes(seed=s, **kw)["span"] <= hi for s in range(1, 5)]
+    assert sum(inside) >= 3, inside
