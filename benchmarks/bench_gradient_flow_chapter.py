@@ -10,7 +10,8 @@ interleaved in one process (both see the same load):
   two kinds of weights (OU with noise and the Itô sums; oscillating without);
 - whether every recorded quantity of those runs is identical, bit for bit, and where
   not, the largest relative difference (the baseline's kernel exponentiates with
-  ``exp2``, this tree's with ``exp`` since 2d461ae: the same numbers to rounding);
+  ``exp2``, this tree's with ``exp`` on an Intel CPU with MKL and ``exp2`` elsewhere,
+  ``KernelTuning.exponential_for``: the same numbers to rounding);
 - ``gf.w2_sphere`` on the stability cell's shapes (near-identical clouds of 200 points);
 - the start of ``gf.simulate_many`` on 2 workers: a first and a second call;
 - the chapter's simulation seconds projected from these (main runs, 4001 steps each; the

@@ -5,13 +5,15 @@ kernel to the paper's equations; this file holds a whole run to them: every reco
 quantity of every step of :func:`gf.simulate` (tokens, weights, energy balance,
 integrals, residuals) against the same projected Euler / Euler–Maruyama scheme written
 as a plain loop over :func:`gf.reference_step_quantities`, with the same noise draws.
-A change of the step's rounding (a GEMM layout, a block size) must keep float64 runs
-within 1e-10 of the reference's scale over the whole run, and the symmetric kernel is
-reached both on whole matrices and in row blocks (ragged last block at odd ``n``).
+A change of the step's rounding (a GEMM layout, a block size, ``exp`` or ``exp2``) must
+keep float64 runs within 1e-10 of the reference's scale over the whole run, and the
+symmetric kernel is reached both on whole matrices and in row blocks (ragged last block at
+odd ``n``), with either exponential.
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,14 +84,16 @@ def reference_trajectory(tokens, weights, process, *, steps, dt, sign, generator
 @pytest.mark.parametrize("size,block_rows", [((2, 13, 3), None), ((3, 17, 5), 4),
                                              ((1, 1, 1), None), ((2, 9, 16), 2)],
                          ids=["whole", "blocks", "one_token", "blocks_many_heads"])
-def test_simulate_follows_the_reference_scheme(size, block_rows, process, dtype):
+@pytest.mark.parametrize("exponential", ["exp", "exp2"])
+def test_simulate_follows_the_reference_scheme(size, block_rows, process, dtype, exponential):
     P, n, H = size
     steps, dt, sign = 25, 0.02, -1
     g = torch.Generator().manual_seed(n * 100 + H)
     tokens = gf.uniform_sphere(n, 3, g, paths=P).to(dtype)
     tokens = tokens / tokens.norm(dim=-1, keepdim=True)
     weights = gf.initial_weights(H, 3, g, paths=P).to(dtype)
-    tuning = None if block_rows is None else gf.KernelTuning(block_elements=block_rows * n * H)
+    tuning = gf.KernelTuning(block_elements=None if block_rows is None else block_rows * n * H,
+                             exponential=exponential)
     fast = gf.simulate(tokens, weights, process, T=steps * dt, dt=dt, sign=sign,
                        record_weights=True, generator=torch.Generator().manual_seed(5),
                        tuning=tuning)
@@ -111,3 +115,61 @@ def test_simulate_follows_the_reference_scheme(size, block_rows, process, dtype)
                    ("residual_dissipation", base + ref["int_dissipation"])):
         err = (getattr(fast, key).double() - r.double()).abs().max().item()
         assert err <= 4 * tol * energy_scale, f"{key}: {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("block_rows", [None, 4], ids=["whole", "blocks"])
+def test_exp2_kernel_gives_the_exp_kernels_trajectories_to_rounding(dtype, block_rows):
+    """The two exponentials of the symmetric kernel (``exp``, the kernel before the
+    machine's choice, and ``exp2`` with ``log2 e`` in the queries) give every recorded
+    quantity of a whole OU run to rounding: a few units of the dtype's epsilon over 30
+    steps (float64: measured at most 4.4e-16 relative at n = 200, H = 100, 10 paths; the
+    bound here, 64 eps, is ours). An exponential of another base (a wrong factor on the
+    queries) moves the energy by O(1) and fails it."""
+    P, n, H, steps, dt = 3, 23, 7, 30, 0.02
+    g = torch.Generator().manual_seed(23)
+    tokens = gf.octahedral_tokens(n, paths=P, generator=g).to(dtype)
+    weights = gf.initial_weights(H, 3, g, paths=P).to(dtype)
+
+    def run(exponential):
+        tuning = gf.KernelTuning(block_elements=None if block_rows is None
+                                 else block_rows * n * H, exponential=exponential)
+        return gf.simulate(tokens, weights, gf.OrnsteinUhlenbeck(), T=steps * dt, dt=dt,
+                           record_weights=True, generator=torch.Generator().manual_seed(4),
+                           tuning=tuning)
+
+    with_exp, with_exp2 = run("exp"), run("exp2")
+    eps = torch.finfo(dtype).eps
+    # float32 trajectories drift apart over the steps like any two roundings do
+    bound = 64 * eps if dtype == torch.float64 else 1e-4
+    energy_scale = with_exp.energy.abs().max()
+    for key in (*FIELDS, "residual_slope", "residual_dissipation"):
+        a, b = getattr(with_exp, key), getattr(with_exp2, key)
+        scale = energy_scale if key.startswith("residual") else a.abs().max()
+        assert (a - b).abs().max() <= bound * scale, key
+    # the check can fail: exp2 of the unscaled logits is another exponential
+    wrong = gf.step_quantities(tokens, weights * math.log(2.0),
+                               tuning=gf.KernelTuning(exponential="exp"))
+    assert (wrong["energy"] - with_exp2.energy[0]).abs().max() > 1e3 * bound * energy_scale
+
+
+def test_exponential_choice_follows_the_machine_not_a_timing(monkeypatch):
+    """``exponential="auto"`` is ``exp`` off the CPU and on an Intel CPU whose torch uses
+    MKL, ``exp2`` on any other CPU; a named choice is kept; anything else is refused."""
+    from companion.gradient_flow import kernels
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = gf.KernelTuning()
+    for intel, expected in ((True, "exp"), (False, "exp2")):
+        monkeypatch.setattr(kernels, "_mkl_exp_on_intel", lambda intel=intel: intel)
+        assert auto.exponential_for(cpu) == expected
+        assert auto.exponential_for(cuda) == "exp"
+        for named in ("exp", "exp2"):
+            assert gf.KernelTuning(exponential=named).exponential_for(cpu) == named
+    monkeypatch.undo()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():  # this machine: its vendor line decides
+        intel = "GenuineIntel" in cpuinfo.read_text()
+        assert kernels._mkl_exp_on_intel() == (intel and torch.backends.mkl.is_available())
+    with pytest.raises(ValueError, match="exponential"):
+        gf.KernelTuning(exponential="exp10")

@@ -7,17 +7,18 @@ symmetric, so is every ``U^h``: a block of query rows is exponentiated once agai
 at and after it, and the same exponentials are handed, transposed, to the later rows; a
 step costs about :math:`H n^2 / 2` exponentials per path instead of :math:`H n^2`. All heads
 of a block are one GEMM (``D_h x_i`` computed once and reused for every key), one
-vectorised ``exp`` and two GEMMs for the moments; no ``n x n`` matrix per head is stored
+vectorised exponential and two GEMMs for the moments; no ``n x n`` matrix per head is stored
 and memory is :math:`O(P H n d)` plus one cache-sized block. Weights so large that unshifted
 exponentials could overflow take a max-shifted, row-chunked path.
 
-The tuning (block sizes, chunk sizes, forcing the shifted path) is a :class:`KernelTuning`
-argument with defaults; no module state. The reference these kernels are tested against is
-:mod:`companion.gradient_flow.reference`.
+The tuning (block sizes, chunk sizes, forcing the shifted path, ``exp`` or ``exp2``) is a
+:class:`KernelTuning` argument with defaults; no module state. The reference these kernels
+are tested against is :mod:`companion.gradient_flow.reference`.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from companion._validate import check_choice, check_int
 from companion.gradient_flow._checks import check_step_args
 
 __all__ = ["KernelTuning", "step_quantities", "velocity"]
+
+_LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,34 @@ class KernelTuning:
         Choose between whole matrices and row blocks as for this many paths (None: the
         paths given). A piece of a run (:func:`~companion.gradient_flow.simulate_many`)
         passes its run's number, so that it takes the run's layout and rounding.
+    exponential : {"auto", "exp", "exp2"}
+        How the symmetric kernel exponentiates its logits: ``"exp"``, ``torch.exp``;
+        ``"exp2"``, ``torch.exp2`` with ``log2 e`` folded into the weights (the same
+        numbers to rounding). ``"auto"`` (see :meth:`exponential_for`): ``"exp"`` on an
+        Intel CPU with torch built on MKL and off the CPU, ``"exp2"`` on any other CPU.
+        The choice follows the machine, never a timing, so that every process on one
+        machine (the workers of :func:`~companion.gradient_flow.simulate_many`
+        included) takes the same one and rounds alike. Why: torch's ``exp`` of a
+        contiguous tensor is MKL's vector exponential, which is fast on Intel and takes
+        a slow generic path elsewhere; ``exp2`` is torch's own vectorised code
+        everywhere. Measured, 1 thread, in place on cache-resident blocks: on an AVX-512
+        Intel Xeon float64 ``exp`` 0.62 ns per element against 1.08 for ``exp2``
+        (float32 0.19 against 0.35); on an AVX-512 AMD EPYC float64 1.64 against 0.84
+        (float32 0.83 against 0.32).
 
     >>> KernelTuning(block_elements=64).block_elements_for(torch.device("cpu"))
     64
     >>> KernelTuning().block_elements_for(torch.device("cpu"))
     262144
+    >>> KernelTuning(exponential="exp2").exponential_for(torch.device("cpu"))
+    'exp2'
     """
 
     block_elements: int | None = None
     shifted_chunk_elements: int = 1 << 25
     exp_shift: str = "auto"
     plan_paths: int | None = None
+    exponential: str = "auto"
 
     def __post_init__(self):
         if self.block_elements is not None:
@@ -73,12 +93,43 @@ class KernelTuning:
         check_choice("exp_shift", self.exp_shift, ("auto", "always"))
         if self.plan_paths is not None:
             check_int("plan_paths", self.plan_paths, 1)
+        check_choice("exponential", self.exponential, ("auto", "exp", "exp2"))
 
     def block_elements_for(self, device: torch.device) -> int:
         """The block size on ``device``: the field, or the per-device default."""
         if self.block_elements is not None:
             return self.block_elements
         return 1 << 18 if device.type == "cpu" else 1 << 25
+
+    def exponential_for(self, device: torch.device) -> str:
+        """``"exp"`` or ``"exp2"`` on ``device``: the field, or the machine's default
+        (``"exp"`` off the CPU and on an Intel CPU with torch built on MKL)."""
+        if self.exponential != "auto":
+            return self.exponential
+        if device.type != "cpu" or _mkl_exp_on_intel():
+            return "exp"
+        return "exp2"
+
+
+@functools.lru_cache(maxsize=1)
+def _mkl_exp_on_intel() -> bool:
+    """Whether torch's CPU ``exp`` is MKL's vector exponential on an Intel CPU (its fast
+    case): torch built with MKL, and the CPU's vendor (``/proc/cpuinfo``, else
+    :func:`platform.processor`) is ``GenuineIntel``."""
+    if not torch.backends.mkl.is_available():
+        return False
+    vendor = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        import platform
+
+        vendor = platform.processor()
+    return "GenuineIntel" in vendor
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -130,11 +181,14 @@ class _SymmetricPlan:
     as whole matrices), bound to the buffers of worker ``t % workers``.
     """
 
-    def __init__(self, P, n, d, H, rows, group, workers, with_ito, kw, tokens=None):
+    def __init__(self, P, n, d, H, rows, group, workers, with_ito, kw, tokens=None,
+                 exp2=False):
         self.rows, self.workers, self.with_ito = rows, workers, with_ito
+        self.exp2 = exp2  # the queries carry log2 e and the logits are exponentiated by exp2
         # the tokens themselves (one call), or a buffer each step's tokens are copied into
         self.tokens = torch.empty((P, n, d), **kw) if tokens is None else tokens
-        # queries[p, a, i, h] = (D_h x_i)_a: computed once, read by every key block
+        # queries[p, a, i, h] = (D_h x_i)_a (times log2 e with exp2): computed once, read by
+        # every key block
         self.queries = torch.empty((P, d, n, H), **kw)
         self.values_t = torch.empty((P, d + 1, n), **kw)  # [1, x_j] per key
         self.values_t[:, 0] = 1.0
@@ -191,17 +245,26 @@ class _SymmetricPlan:
 
     def run(self, t):
         """The kernels of task ``t``."""
+        exp2 = self.exp2
         for op in self.tasks[t]:
             if op[0] == "whole":
                 _, x, q, u, v, r, s, r_t, u4, hs = op
-                torch.bmm(x, q, out=u).exp_()
+                torch.bmm(x, q, out=u)
+                if exp2:
+                    u.exp2_()
+                else:
+                    u.exp_()
                 torch.bmm(v, u, out=r)
                 s.copy_(r_t)
                 if hs is not None:
                     torch.sum(u4, -1, out=hs)
             else:
                 _, x, q, u, v, r, s, r_t, u3, hs, first, handed = op
-                torch.mm(x, q, out=u).exp_()
+                torch.mm(x, q, out=u)
+                if exp2:
+                    u.exp2_()
+                else:
+                    u.exp_()
                 torch.mm(v, u, out=r)
                 if first:
                     s.copy_(r_t)
@@ -227,9 +290,9 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
 
     Layout: all heads of a block of query rows ``I`` are one GEMM against the keys
     ``j >= min I`` (logits ``[j, (i, h)]``, reusing ``D_h x_i`` for every key), one
-    vectorised ``exp`` (``torch.exp``: 0.62 ns per double against 1.08 for ``exp2`` with
-    ``log2 e`` folded into the weights, float32 0.19 against 0.35, AVX-512 Xeon, 1
-    thread), one GEMM for the row sums over
+    vectorised exponential (``exp``, or ``exp2`` with ``log2 e`` folded into the
+    weights: the faster on this machine, :meth:`KernelTuning.exponential_for`), one GEMM
+    for the row sums over
     ``j`` and one batched GEMM that hands the same exponentials, transposed, to the rows
     ``j`` beyond the block. Per step: ``P H n (n + c) / 2`` exponentials for blocks of
     ``c`` rows, ``O(P H n d)`` memory besides one block per worker. Paths are independent:
@@ -251,15 +314,18 @@ def _symmetric_exp_moments(tokens, weights, with_ito: bool, scratch: _Scratch | 
     else:  # blocks of rows; at least three, or symmetry saves little
         rows, group = max(1, min(target // (n * H), -(-n // 3))), 1
     kw = {"dtype": tokens.dtype, "device": tokens.device}
-    key = (P, n, d, H, rows, group, workers, with_ito, tokens.dtype, tokens.device)
+    exp2 = tuning.exponential_for(tokens.device) == "exp2"
+    key = (P, n, d, H, rows, group, workers, with_ito, exp2, tokens.dtype, tokens.device)
     if scratch is None:  # one call: views of the tokens given
-        plan = _SymmetricPlan(P, n, d, H, rows, group, workers, with_ito, kw, tokens)
+        plan = _SymmetricPlan(P, n, d, H, rows, group, workers, with_ito, kw, tokens, exp2)
     else:  # every step of a simulation: the same views, the tokens copied in
         plan = scratch.plans.get(key)
         if plan is None:
             plan = scratch.plans[key] = _SymmetricPlan(P, n, d, H, rows, group, workers,
-                                                       with_ito, kw)
+                                                       with_ito, kw, exp2=exp2)
         plan.tokens.copy_(tokens)
+    if exp2:  # exp2(log2(e) l) = exp(l): the logits of the queries times log2 e
+        weights = weights * _LOG2E
     torch.matmul(plan.tokens.unsqueeze(1), weights.permute(0, 2, 3, 1),  # [P, d, d, H]
                  out=plan.queries)
     plan.values_t[:, 1:] = plan.tokens.transpose(1, 2)
