@@ -49,6 +49,18 @@ statistics continued over both), interleaved; writes ``context_similarity_chapte
 paper's setting (the first 4 of each document, 128 tokens): ``window_features``, ``tune``
 and ``predict_all`` timed phase by phase, with the paper-scale window count and the cell's
 time estimated from these rates; writes ``context_similarity_segmentation``.
+
+``--mpnet``: the 12-layer encoder, all-mpnet-base-v2 (``companion.models``; issue 35):
+``full`` (``analyse_corpus`` defaults) and ``full_chapter`` (``where=("pre_wo",
+"post_wo")``, per-window pre-W_O parts, as the chapter runs it) against the bare eager
+forward *with attention maps* (``output_attentions=True``, the whole model,
+``inference_mode``) over the same windows, in lanes and one batch at a time; interleaved
+repeats, the target (<= 1.1) judged on the median over repeats of ``full`` over the
+faster baseline of the same repeat. Then the memory of a paper-scale pass (20,000
+windows of 128 tokens, the chapter's settings, resumable): the peak RSS of this process
+after a pass of ``--windows`` windows plus the per-window parts and one checkpoint copy
+of them for the remaining windows, from their measured bytes per window (target <= 8
+GiB). Writes ``context_similarity_mpnet``.
 """
 from __future__ import annotations
 
@@ -264,6 +276,142 @@ def segmentation_main(args, model, tokenizer) -> int:
     return 0
 
 
+MPNET_TARGET = 1.1  # issue 35: analysis <= 1.1 x the bare eager forward with maps
+MPNET_MEMORY_GIB = 8.0  # issue 35: peak memory at paper scale
+PAPER_WINDOWS = 20_000
+
+
+def bare_forward_maps(model, wins, batch_size, lanes=1):
+    """The bare eager forward with attention maps (``output_attentions=True``), batch
+    by batch on all threads (``lanes=1``) or in lanes of one intra-op thread."""
+    n_batches = -(-len(wins) // batch_size)
+
+    def compute(job, lane):
+        part = wins[job * batch_size:(job + 1) * batch_size]
+        with torch.inference_mode():
+            model(input_ids=part.input_ids, attention_mask=part.attention_mask,
+                  output_attentions=True)
+
+    if lanes == 1:
+        for job in range(n_batches):
+            compute(job, 0)
+    else:
+        _in_lanes(min(lanes, n_batches), min(lanes, n_batches), n_batches, compute,
+                  lambda job, computed: None)
+
+
+def mpnet_main(args) -> int:
+    """The ``--mpnet`` benchmark (see the module docstring)."""
+    import resource
+    import tempfile
+
+    from companion.models import MPNET, model_path
+
+    n_windows = args.windows or (32 if args.quick else 64)
+    repeats = args.repeats or (2 if args.quick else 3)
+    model, tokenizer = load_encoder(model_path(MPNET), device="cpu")
+    wins = windows(load_corpus(args.corpus), tokenizer, 128, max_windows=n_windows, seed=0)
+    bs, threads = args.batch_size, torch.get_num_threads()
+    tracked = torch.zeros(model.config.num_hidden_layers, model.config.num_attention_heads,
+                          dtype=torch.long) + tokenizer.convert_tokens_to_ids(".")
+    chapter = dict(where=("pre_wo", "post_wo"), per_window=(True, False),
+                   track_tokens=tracked)
+    runs = {
+        "bare_maps_lanes": lambda: bare_forward_maps(model, wins, bs, lanes=threads),
+        "full": lambda: analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
+                                       progress=False, nproc=1),
+        "bare_maps_threads": lambda: bare_forward_maps(model, wins, bs, lanes=1),
+        "full_chapter": lambda: analyse_corpus(model, wins, tokenizer=tokenizer,
+                                               batch_size=bs, progress=False, nproc=1,
+                                               **chapter),
+    }
+    baselines = ("bare_maps_lanes", "bare_maps_threads")
+    if threads == 1 or threads > CaptureSettings().lanes:
+        runs.pop("bare_maps_lanes")
+        baselines = ("bare_maps_threads",)
+    for run in runs.values():  # warm-up
+        run()
+    load_before = os.getloadavg()
+    times = {name: [] for name in runs}
+    cpu_times = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            c0, t0 = time.process_time(), time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(time.process_time() - c0)
+    load_after = os.getloadavg()
+
+    def over_faster(name, seconds):
+        per = [seconds[name][r] / min(seconds[b][r] for b in baselines)
+               for r in range(repeats)]
+        return per, spread(per)
+
+    per_repeat, (ratio, low, high) = over_faster("full", times)
+    per_repeat_cpu, (ratio_cpu, _, _) = over_faster("full", cpu_times)
+    _, (ratio_chapter, low_chapter, high_chapter) = over_faster("full_chapter", times)
+
+    # memory of a paper-scale pass: a resumable chapter pass over these windows (every
+    # buffer of the pass, one save), its per-window bytes, extrapolated to 20,000 windows
+    with tempfile.TemporaryDirectory() as folder:
+        stats, _ = analyse_corpus(model, wins, tokenizer=tokenizer, batch_size=bs,
+                                  progress=False, nproc=1, checkpoint=folder,
+                                  checkpoint_every=bs, **chapter)
+    per_window_bytes = sum(t.numel() * t.element_size()
+                           for t in stats.window_sums().values()) / len(wins)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # the parts of the windows not run here, held once and copied once by a save
+    paper_gib = peak_gib + 2 * per_window_bytes * (PAPER_WINDOWS - len(wins)) / 2**30
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    result = {
+        "benchmark": "context_similarity_mpnet",
+        "model": "all-mpnet-base-v2 (MPNet, 12 layers, 12 heads), float32",
+        "corpus": args.corpus, "windows": len(wins), "window_tokens": wins.length,
+        "batch_size": bs, "repeats": repeats, "threads": threads,
+        "machine": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "seconds": times, "cpu_seconds": cpu_times, "median_seconds": median,
+        "seconds_per_window": {n: t / len(wins) for n, t in median.items()},
+        "ratio_full_over_faster_bare_maps": ratio,
+        "ratio_full_over_faster_bare_maps_per_repeat": per_repeat,
+        "ratio_full_over_faster_bare_maps_cpu_time": ratio_cpu,
+        "ratio_full_chapter_over_faster_bare_maps": ratio_chapter,
+        "target": MPNET_TARGET, "meets_target": ratio <= MPNET_TARGET,
+        "peak_rss_gib": peak_gib, "per_window_bytes": per_window_bytes,
+        "paper_windows": PAPER_WINDOWS, "paper_peak_estimate_gib": paper_gib,
+        "memory_target_gib": MPNET_MEMORY_GIB,
+        "meets_memory_target": paper_gib <= MPNET_MEMORY_GIB,
+        "load_average_before_after": [load_before, load_after],
+    }
+    lines = [
+        "# Context similarity on the 12-layer encoder (all-mpnet-base-v2)",
+        "",
+        f"{len(wins)} windows of {wins.length} tokens from `{args.corpus}`, batch {bs}, "
+        f"{threads} torch threads, {repeats} interleaved repeats (order reversed every "
+        f"other repeat). Machine: {cpu_model()}, {os.cpu_count()} cores; load average "
+        f"(1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
+        "",
+        "| run | median s (wall) | min-max s | ms/window | median s (CPU) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in runs:
+        med, lo, hi = spread(times[name])
+        lines.append(f"| {name} | {med:.2f} | {lo:.2f}-{hi:.2f} | "
+                     f"{1e3 * med / len(wins):.0f} | {statistics.median(cpu_times[name]):.2f} |")
+    lines += ["", f"`full` over the faster bare eager forward with maps of each repeat "
+              f"(target <= {MPNET_TARGET}): {ratio:.3f} ({low:.3f}-{high:.3f}), "
+              f"{'met' if ratio <= MPNET_TARGET else 'NOT met'}; in process CPU time "
+              f"{ratio_cpu:.3f}. The chapter's pass (`full_chapter`: pre- and post-W_O, "
+              f"per-window parts, tracked tokens): {ratio_chapter:.3f} ({low_chapter:.3f}-"
+              f"{high_chapter:.3f}).",
+              "", f"Memory: peak RSS of this process {peak_gib:.2f} GiB; per-window parts "
+              f"{per_window_bytes / 1024:.1f} KiB per window; a paper-scale pass "
+              f"({PAPER_WINDOWS} windows, held and copied once by a save) about "
+              f"{paper_gib:.2f} GiB (target <= {MPNET_MEMORY_GIB:.0f}): "
+              f"{'met' if paper_gib <= MPNET_MEMORY_GIB else 'NOT met'}."]
+    write_results("context_similarity_mpnet", result, "\n".join(lines) + "\n")
+    return 0
+
+
 def cpu_model() -> str:
     """The processor's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
     try:
@@ -309,6 +457,9 @@ def main(argv=None) -> int:
                         help="the chapter's corpus cell: three passes against two")
     parser.add_argument("--segmentation", action="store_true",
                         help="the chapter's segmentation cell, phase by phase")
+    parser.add_argument("--mpnet", action="store_true",
+                        help="the 12-layer all-mpnet-base-v2 against its bare eager forward "
+                             "with maps, and its paper-scale memory")
     args = parser.parse_args(argv)
     for name in ("windows", "repeats", "batch_size", "threads"):
         value = getattr(args, name)
@@ -321,6 +472,8 @@ def main(argv=None) -> int:
 
     from transformers import AutoModel
 
+    if args.mpnet:
+        return mpnet_main(args)
     model, tokenizer = load_encoder(device="cpu")
     if args.chapter_pass:
         return chapter_pass_main(args, model, tokenizer)

@@ -37,7 +37,7 @@ from companion.context_similarity.stats import SimilarityStats
 from companion.context_similarity.workspace import Workspace
 from companion.devices import resolve_device
 
-__all__ = ["analyse_corpus", "clear_workspaces"]
+__all__ = ["analyse_corpus", "checkpoint_dir", "checkpoint_key", "clear_workspaces"]
 
 # Work buffers of analyse_corpus, one Workspace per device, lane and where entry, kept
 # between calls: buffers of tens of megabytes are handed back to the operating system
@@ -324,6 +324,21 @@ def analyse_corpus(
 
 
 # --------------------------------------------------------------------------- resumable pass
+
+
+def checkpoint_dir() -> Path:
+    """Where resumable passes keep their saves by default (pass it as ``checkpoint=``):
+    ``$COMPANION_CHECKPOINT_DIR`` when set, else ``.cache/checkpoints/context_similarity``
+    at the repository root (beside ``.cache/corpora`` and ``.cache/models``, git-ignored)
+    in a source checkout, else ``~/.cache/companion/checkpoints/context_similarity``.
+    Nothing is created here."""
+    env = os.environ.get("COMPANION_CHECKPOINT_DIR")
+    if env:
+        return Path(env).expanduser().resolve()
+    repo = Path(__file__).resolve().parents[3]
+    if (repo / "pyproject.toml").is_file():
+        return repo / ".cache" / "checkpoints" / "context_similarity"
+    return Path.home() / ".cache" / "companion" / "checkpoints" / "context_similarity"
 
 
 def _hash_tensor(h, t: torch.Tensor) -> None:
