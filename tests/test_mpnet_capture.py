@@ -167,6 +167,11 @@ def test_mpnet_is_recognised_and_its_w_o_found():
     head = MPNetForMaskedLM(MPNetConfig(vocab_size=VOCAB, hidden_size=10, num_hidden_layers=1,
                                         num_attention_heads=2, intermediate_size=8))
     assert is_mpnet(head) and len(encoder_layers(head)) == 1
+    # positions start after the padding index 1: 60 position embeddings, 58 tokens
+    head_outputs(model, _batch(b=1, t=58, padded=False))
+    with pytest.raises(ValueError, match="windows of 59 tokens exceed the model's maximum "
+                       "input length 58"):
+        head_outputs(model, _batch(b=1, t=59, padded=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -10,7 +10,10 @@ the attention each key receives), as a :class:`BatchResult`.
 How: a registered attention function (the eager computation, window by window) writes
 ``hook_pattern`` and ``hook_z`` (its output, what ``attention.output.dense`` reads) into
 buffers of a :class:`~companion.context_similarity.workspace.Workspace`; no hooks, so
-forward passes on several threads may overlap (:func:`buffered_attention`). With
+forward passes on several threads may overlap (:func:`buffered_attention`). An MPNet
+(all-mpnet-base-v2) computes its attention inline, not through the transformers
+attention interface: :func:`_mpnet_pass` runs its layers as ``MPNetModel.forward`` does
+and calls the same function, which adds MPNet's relative position bias to the scores. With
 :class:`CaptureSettings` ``stop_after_last_attention`` (the default for the analysis), the
 pass stops once the last layer's ``hook_z`` is written.
 """
@@ -182,6 +185,8 @@ def _check_model(model, length: int) -> None:
         raise ValueError(
             "model: in training mode (dropout would perturb outputs); call model.eval()")
     max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and is_mpnet(model):
+        max_pos -= 2  # positions start after MPNet's padding index 1 (fairseq's numbering)
     if max_pos is not None and length > max_pos:
         raise ValueError(
             f"batch: windows of {length} tokens exceed the model's maximum input length {max_pos}"
@@ -222,7 +227,8 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
 
     Parameters
     ----------
-    model : a BERT-family model in eval mode with eager attention (see :func:`load_encoder`).
+    model : a BERT-family model or an MPNet in eval mode with eager attention (see
+        :func:`load_encoder`).
     batch : Mapping or :class:`companion.corpora.Windows`
         Any ``collections.abc.Mapping`` (a dict, or the tokenizer's own output, a
         ``BatchEncoding`` from ``tokenizer(..., padding=True, return_tensors="pt")``) with
