@@ -133,15 +133,20 @@ def test_sparse_merge_with_a_covering_edge_dropped(family):
 
 
 @falsifies("hasse-butterfly-density")
-def test_density_reads_one_only_where_every_position_predicts():
+def test_density_reads_one_only_where_the_chain_positions_predict_too():
     """The claim reads "differs" on the chapter's butterfly (its chain positions carry
-    context, not targets); the same measurement reads 1 on a task whose every position
-    predicts a token, so the verdict is not fixed by the measurement."""
-    full = PM.position_supervision_density(T.masked_language_model(10, 1.0))
-    values = [PM.position_supervision_density(T.butterfly(n)) for n in (4, 8)]
-    assert_flips("hasse-butterfly-density", (full, (full, full)),
+    context, not targets); the same measurement reads 1 on the same mask with its chain
+    positions supervised too, so the verdict is not fixed by the measurement."""
+    ns = (4, 8)
+    full = [PM.position_supervision_density(
+        T.minimal_merge(PM.supervised_bidirectional_family(n))) for n in ns]
+    assert all(PM.same_mask_up_to_layout(T.minimal_merge(PM.supervised_bidirectional_family(n)),
+                                         T.butterfly(n)) for n in ns)
+    values = [PM.position_supervision_density(T.butterfly(n)) for n in ns]
+    assert_flips("hasse-butterfly-density", (full[-1], (min(full), max(full))),
                  (values[-1], (min(values), max(values))))
     assert PM.token_supervision_density(T.butterfly(8)) == 1.0
+    assert PM.leaking_positions([T.minimal_merge(PM.supervised_bidirectional_family(8))]) == 0
 
 
 @falsifies("hasse-derived-no-leakage")

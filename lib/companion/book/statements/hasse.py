@@ -132,10 +132,11 @@ CLAIMS: list[PaperClaim] = [
             kind="at_least", value=1.0, by="paper",
             reason="'100% supervision density' for every position: the fraction of "
                    "positions that are prediction targets is 1"),
-        falsifier="a task whose positions all predict a token (a masked language model "
-                  "with every position masked) reads 1; the butterfly task as derived here "
-                  "supervises its n prediction positions only, and its chain positions "
-                  "carry context",
+        falsifier="the butterfly mask with its chain positions supervised too (next-token "
+                  "tasks on the forward chain, previous-token tasks on the backward chain "
+                  "added to the family) reads 1; the butterfly as derived from the "
+                  "bidirectional family supervises its n prediction positions only, and "
+                  "reads differs",
         resamples="sequence lengths: the range of the fraction over the lengths of the "
                   "chapter's butterfly tasks (an exact count for each length)", level=1.0),
     PaperClaim(
@@ -289,6 +290,14 @@ STATEMENTS: list[Statement] = [
         place=f"{ARXIV}, abstract; {SUMMARY}, contributions",
         claims=("hasse-butterfly-density",)),
     Statement(
+        id="hasse-s-pipeline",
+        quote="A standardised derivation: define the task family → derive each task's Hasse "
+              "diagram → compute node equivalence → construct the minimal merged task → "
+              "read off the mask matrix.",
+        source="secondary summary", place=f"{ARXIV}, {SUMMARY}, contributions 4",
+        claims=("hasse-causal-is-minimal-merge", "hasse-block-two-stream-context",
+                "hasse-butterfly-full-context")),
+    Statement(
         id="hasse-s-flexattention",
         quote="Operators such as FlexAttention already support arbitrary attention masks.",
         source="abstract", place=f"{ARXIV}, abstract",
@@ -302,4 +311,11 @@ STATEMENTS: list[Statement] = [
         source="abstract", place=f"{ARXIV}, abstract",
         not_comparable="a judgement of novelty against the literature, with no computable "
                        "consequence"),
+    Statement(
+        id="hasse-s-future-work",
+        quote="The framework mainly treats the merging of dense tasks, the sparse variant "
+              "being a refinement; extending it to linear attention (KDA, GDN) and to new "
+              "task families such as masked autoencoders is future work.",
+        source="secondary summary", place=f"{ARXIV}, {SUMMARY}, significance",
+        not_comparable="a scope and future work, with nothing the paper asserts to compute"),
 ]
