@@ -47,7 +47,6 @@ __all__ = [
     "causal_mask_mod",
     "chain",
     "chain_mask_mod",
-    "dense_from_mask_mod",
     "mask_mod",
     "materialise",
     "or_masks",
@@ -328,10 +327,6 @@ def materialise(mod: MaskMod, size: int, *, device=None) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.long, device=q.device)
     out = torch.as_tensor(mod(zero, zero, q, k), device=q.device)
     return torch.broadcast_to(out.to(torch.bool), (size, size)).contiguous()
-
-
-#: The older name of :func:`materialise`.
-dense_from_mask_mod = materialise
 
 
 # ------------------------------------------------------------------- dense builders
