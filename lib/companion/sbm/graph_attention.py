@@ -43,66 +43,9 @@ import torch
 # its old home: still importable from here until tests/test_bad_inputs.py imports it from
 # companion.sbm (the dense reference lives in companion.sbm.reference)
 from companion.sbm.reference import dense_masked_attention  # noqa: F401
+from companion.sbm.tensor_ops import repeat_each, stable_argsort
 
-__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph", "stable_argsort",
-           "repeat_each"]
-
-# dtypes numpy reads and writes exactly (no bfloat16 in numpy)
-_NUMPY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.float16, torch.float32, torch.float64)
-
-
-def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
-    """Stable argsort of nonnegative integer ``keys < bound`` (int32 or int64).
-
-    On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
-    16-bit keys (linear time; about ten times faster here than ``torch.sort`` for
-    millions of keys).  Elsewhere: ``torch.sort(stable=True)`` (a radix sort on CUDA).
-    """
-    if keys.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=keys.device)
-    if keys.device.type != "cpu":
-        return torch.sort(keys, stable=True).indices
-    values = keys.numpy()
-    bits = max(1, (max(int(bound), 2) - 1).bit_length())
-    perm = None
-    for shift in range(0, bits, 16):
-        current = values if perm is None else values[perm]
-        if shift == 0 and bits <= 16:
-            digits = current.astype(np.uint16)
-        else:
-            digits = ((current >> shift) & 0xFFFF).astype(np.uint16)
-        del current
-        order = np.argsort(digits, kind="stable")
-        del digits
-        perm = order if perm is None else perm[order]
-    return torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
-
-
-def repeat_each(values: torch.Tensor, repeats: torch.Tensor,
-                total: int | None = None) -> torch.Tensor:
-    """Entry ``i`` of the 1-D ``values`` repeated ``repeats[i]`` times, in order:
-    ``values.repeat_interleave(repeats, output_size=total)``.
-
-    On CPU by numpy's ``repeat`` (a copy: the same numbers, bit for bit): here about
-    1.7 times faster than torch's for a million cells of about 1.6 edges each, and 4
-    times for 8,192 rows of 200 (one thread).  Tensors numpy cannot read (on another
-    device, requiring grad, bfloat16, negative or conjugate views) and traced or
-    compiled calls take torch's.  ``total``: the output length when the caller knows it
-    (``sum(repeats)``; checked on the numpy path, trusted by torch's).
-
-    >>> repeat_each(torch.tensor([5, 6, 7]), torch.tensor([2, 0, 1]))
-    tensor([5, 5, 7])
-    """
-    if (values.device.type == "cpu" and repeats.device.type == "cpu"
-            and values.dim() == 1 and repeats.dim() == 1 and values.dtype in _NUMPY_DTYPES
-            and not (values.requires_grad or values.is_neg() or values.is_conj()
-                     or torch.jit.is_tracing() or torch.compiler.is_compiling())):
-        out = torch.from_numpy(np.repeat(values.numpy(), repeats.numpy()))
-        if total is not None and out.numel() != total:
-            raise ValueError(f"total: expected sum(repeats) = {out.numel()}, got {total}")
-        return out
-    return values.repeat_interleave(repeats, output_size=total)
+__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph"]
 
 
 def _flat_index(index: torch.Tensor, group: torch.Tensor, size: int,

@@ -28,9 +28,9 @@ from torch import nn
 
 from companion._validate import check_int, check_tensor
 from companion.sbm.fastrg import (DEFAULT_TUNING, DUPLICATE_POLICIES, FastRGTuning,
-                                  fastrg_sample, poisson_pair_counts, transposed_copy,
-                                  use_pair_grid)
+                                  fastrg_sample, poisson_pair_counts, use_pair_grid)
 from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
+from companion.sbm.tensor_ops import transposed_copy
 
 __all__ = ["sbm_parameters", "SBMAttention", "density_regularizer"]
 
