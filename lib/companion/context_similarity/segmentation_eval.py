@@ -62,11 +62,12 @@ SENTENCE_PUNCTUATION = re.compile(r"^[.!?;:]+$")
 
 # Tuning and prediction are loops of many small reductions (n steps of the dynamic
 # programme per call): on CPU every operation runs on this many intra-op threads, since
-# thread synchronisation costs them more than it gains (7x slower with 2 threads than with
-# 1 on a loaded 2-core machine). Their independent parts (the two families, TextTiling,
-# the chunks of stacked predictions) run side by side instead, on as many Python threads
-# as the caller's intra-op setting allows: each operation still runs on one thread, so
-# the numbers do not depend on the setting. The forward passes keep the caller's setting.
+# thread synchronisation costs them more than it gains (recorded in
+# benchmarks/bench_context_similarity.py). Their independent parts (the two families,
+# TextTiling, the chunks of stacked predictions) run side by side instead, on as many
+# Python threads as the caller's intra-op setting allows: each operation still runs on
+# one thread, so the numbers do not depend on the setting. The forward passes keep the
+# caller's setting.
 LOOP_THREADS = 1
 
 

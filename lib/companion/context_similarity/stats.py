@@ -643,9 +643,10 @@ class SimilarityStats:
     pass.
 
     Per-window contributions (``per_window=True``), for intervals: every window's own
-    share of the ``[L, H]`` sums is kept as well (:meth:`window_sums`, names in
-    ``STATISTICS`` with a :func:`window_sum`, leading dimension W in the order the windows were added), so that a
-    bootstrap over windows (:meth:`window_bootstrap`) can resample any ratio of sums. Besides
+    share of the ``[L, H]`` sums is kept as well (:meth:`window_sums`: the statistics
+    registered with a :func:`window_sum`, leading dimension W in the order the windows
+    were added), so that a bootstrap over windows (:meth:`window_bootstrap`) can resample
+    any ratio of sums. Besides
     the ``[L, H]`` sums above they hold ``n_masked`` (high pairs outside the attention
     region), ``distance_sum`` (sum of ``j - i``), ``short_range`` / ``long_range`` (high
     pairs with ``j - i <= SHORT_RANGE`` / ``> LONG_RANGE``; ``identical_long_range``: the

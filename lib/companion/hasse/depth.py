@@ -10,9 +10,9 @@ product), otherwise (:func:`_depth`):
   block-causal, chain) skip the search: row ``q`` of ``A^L`` is the interval between the
   ``L``-fold compositions of the row ends, and the depth is the number of compositions
   until both settle, found by binary lifting in ``O(n log n)``
-  (:func:`_row_intervals`, :func:`_depth_intervals`); a search would take one Python
-  iteration per level, hundreds for a narrow window at long ``n``
-  (``benchmarks/bench_reachability.py`` measures both);
+  (:func:`_row_intervals`, :func:`_depth_intervals`), where a search would take one
+  Python iteration per level, hundreds for a narrow window at long ``n``
+  (``benchmarks/bench_reachability.py`` records both);
 - every other mask: a bit-parallel breadth-first search from all sources at once
   (:func:`_depth_bitset`): sources are grouped in blocks of ``64 w`` (``w`` words per
   node, chosen from the mask's bandwidth), every (block, node) pair carries the bit set

@@ -42,8 +42,8 @@ def packed_adjacency(mod, n: int, *, block_bytes: int = 1 << 20) -> np.ndarray:
     cache-sized block by default) and each block is packed at once, so no ``n x n`` bool
     tensor is formed: memory ``n^2 / 8`` bytes plus one block. The blocks are evaluated
     on one intra-op thread (the caller's setting is restored): a block is a few small
-    element-wise operations, and synchronising threads for each one made building ``A``
-    of a sliding window at ``n = 32768`` 2-3x slower on a loaded 2-core machine.
+    element-wise operations, each too small to repay synchronising threads
+    (``benchmarks/bench_reachability.py`` records the measurement).
 
     >>> from companion.hasse.masks import chain_mask_mod
     >>> packed_adjacency(chain_mask_mod, 3)[:, 0].tolist()  # rows 1, 3 = 0b11, 6 = 0b110

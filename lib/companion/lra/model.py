@@ -10,7 +10,7 @@ mean pooling over the non-padding positions and a classifier
 ``Linear(dim, ffn) -> ReLU -> Linear(ffn, classes)``. Defaults: 2 layers, 2 heads, head
 size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters. Dropout is
 :class:`companion.lra.dropout.Dropout`: torch's numbers, with its CPU masks drawn from
-PCG64 (about twice as fast as torch's here: benchmarks/bench_dropout.py; same law).
+PCG64 (faster than torch's: benchmarks/bench_dropout.py measures it; same law).
 
 The attention of every block is either
 

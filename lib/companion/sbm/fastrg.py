@@ -63,7 +63,8 @@ class FastRGTuning:
         The ``"auto"`` threshold (default 1/8).
     cpu_uniforms : ``"numpy"`` (default) or ``"torch"``
         On CPU, uniforms and index compaction from numpy's PCG64 (seeded by the torch
-        generator; several times faster) or from torch's generator and kernels (the path
+        generator; faster than torch's CPU generator, ``benchmarks/bench_sbm.py``) or
+        from torch's generator and kernels (the path
         CUDA always takes).
     cpu_poisson : ``"inversion"`` (default) or ``"torch"``
         With ``cpu_uniforms="numpy"``: the Poisson counts by inversion of PCG64 uniforms
@@ -451,8 +452,8 @@ def _key_grid_blocks(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSo
 def _finite_sum(p: torch.Tensor) -> bool:
     """Whether the float64 sum of the 1-D ``p`` is finite.  For float32 (or narrower)
     entries that is whether every entry is (fewer than ``2**800`` of them cannot overflow
-    a float64 sum), decided by one min/max pass (both NaN if any entry is): about a
-    third of the time of the float64 sum here.  Wider entries are summed.
+    a float64 sum), decided by one min/max pass (both NaN if any entry is), which reads
+    the entries as they are, where the float64 sum widens each.  Wider entries are summed.
 
     >>> _finite_sum(torch.tensor([1.0, 2.0])), _finite_sum(torch.tensor([1.0, -math.inf]))
     (True, False)

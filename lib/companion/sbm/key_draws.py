@@ -65,8 +65,7 @@ class _KeyTable:
         device = km_block.device
         # a view of k_membership whenever the block holds one group (the size-1 dim lets
         # reshape skip the copy): read only. Several groups: the contiguous copy reshape
-        # would make, by transposed_copy (the same numbers, in a tenth of the time at
-        # [2, 8192, 128])
+        # would make, by transposed_copy (the same numbers, written in tiles of rows)
         if groups == 1:
             weights = km_block.transpose(1, 2).reshape(kc, m)
         else:
@@ -78,7 +77,8 @@ class _KeyTable:
         weights64 = weights.to(torch.float64)
         if tuning.key_draw == "auto":
             # row sums of the float64 copy where it is contiguous: the numbers of
-            # ``weights.sum(1, dtype=float64)`` (test), in a third of the time here
+            # ``weights.sum(1, dtype=float64)`` (test), a contiguous reduction without
+            # widening each entry again
             total = (weights64 if weights.is_contiguous() else weights).sum(1, dtype=torch.float64)
             acceptance = (total[used] / m) / row_max[used]
             search = bool(acceptance.numel()) and bool(acceptance.min() < tuning.min_acceptance)
@@ -136,8 +136,8 @@ def _search_rows(
     :func:`_cdf_table`.
 
     On CPU the draws are searched in sorted order (numpy narrows each search from the
-    previous one, so the table is walked once) and the answers put back in draw order:
-    several times faster here than torch's random-order search.
+    previous one, so the table is walked once, in cache order) and the answers put back
+    in draw order, where a random-order search jumps across the table at every draw.
     """
     width = table.numel() // last.numel()
     row = torch.div(base, width, rounding_mode="floor")
@@ -186,7 +186,8 @@ def _rejection_draw_torch(
         x.mul_(width)
         col = x.to(torch.int64).clamp_(max=width - 1)
         coin = x.sub_(col)
-        # index_select, not take: the same gather, about five times faster on CPU here
+        # index_select, not take: the same gather, the faster of the two on CPU
+        # (benchmarks/bench_sbm.py)
         rejected = draws.nonzero(coin >= accept.index_select(0, col + base))
         del x, coin
         # write every proposal; the rejected ones are overwritten in a later round
@@ -204,8 +205,8 @@ def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
                           rng: np.random.Generator) -> np.ndarray:
     """:func:`_rejection_draw` on CPU with numpy's uniforms, in numpy's kernels: the same
     operations on the same uniforms as :func:`_rejection_draw_torch` (so the same keys,
-    bit for bit), about a quarter faster per round here (fewer conversions between the
-    two libraries' arrays, numpy's ``take`` for the look-ups and the compaction)."""
+    bit for bit), with fewer conversions between the two libraries' arrays, numpy's
+    ``take`` for the look-ups and the compaction."""
     out = np.empty(base.size, dtype=np.int64)
     pending = None  # indices into out still to draw (None: all of them)
     while base.size:

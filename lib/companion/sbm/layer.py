@@ -175,9 +175,9 @@ class _CountAttention(torch.autograd.Function):
 
     ``present`` is 1.0 where ``w_ij > 0`` and 0.0 elsewhere. From it the scores get the
     bias :func:`_absent_bias`, ``-1e30`` on the absent pairs, so that the row maximum is
-    taken over the present pairs, as the edge path does (a boolean mask is several times
-    slower here than the fused add).  Exponents are clamped at -80: the exponential's
-    subnormal range is about ten times slower, and ``exp(-80) < 2e-35`` is far below the
+    taken over the present pairs, as the edge path does (a fused add, where a boolean
+    mask costs a compare and a select).  Exponents are clamped at -80: the exponential is
+    slow in its subnormal range, and ``exp(-80) < 2e-35`` is far below the
     row's largest term ``exp(0) = 1``; ``u`` is then set to 0 on the absent pairs (no
     subnormal numbers in the backward)."""
 
@@ -198,9 +198,8 @@ class _CountAttention(torch.autograd.Function):
 
 def _absent_bias(present: torch.Tensor) -> torch.Tensor:
     """``-1e30`` where ``present`` is 0.0 and ``+0`` where it is 1.0: ``(present - 1)
-    1e30``, two float passes (zeros_like + masked_fill_(w == 0) took about 15 times as
-    long here: the bool compare alone about 3 float passes); the same numbers, signs of
-    zero included."""
+    1e30``, two float passes (zeros_like + masked_fill_(w == 0) adds a bool compare and
+    a masked write); the same numbers, signs of zero included."""
     return present.sub(1.0).mul_(1e30)
 
 
@@ -209,8 +208,8 @@ def _count_attention_forward(q, k, v, weights, present, scale):
     its backward reads. ``present``: 1.0 where a pair is present, 0.0 where absent."""
     acc = weights.dtype
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
-    # a contiguous K^T: bmm with a transposed second operand took about twice as
-    # long here (float32 results bit-identical on the shapes tried)
+    # a contiguous K^T: bmm reads a contiguous second operand in its own order
+    # (float32 results bit-identical on the shapes tried)
     u = torch.baddbmm(_absent_bias(present), qa, transposed_copy(ka), alpha=scale)
     u.sub_(u.amax(-1, keepdim=True)).clamp_(min=-80.0).exp_()
     total = torch.mul(u, weights).sum(-1, keepdim=True)
@@ -218,7 +217,7 @@ def _count_attention_forward(q, k, v, weights, present, scale):
     # u_ij = exp(s_ij - max) / Z_i, a_ij = w_ij u_ij; u_ij = 0 on absent pairs. Left at
     # exp(-80) / Z_i there, the backward's dL/dw = u (...) made subnormal numbers of them,
     # and on processors that take a microcode assist per subnormal operand (Intel's)
-    # that made two [G, n, m] passes of the backward 5-10x slower. (An exponent below
+    # that made two [G, n, m] passes of the backward several times slower. (An exponent below
     # -104, whose exp is 0, is as slow: exp computes through the subnormal range.) The
     # same numbers bit for bit: an absent pair's u only ever meets a zero weight, and
     # multiplying a present pair's by 1.0 is exact.

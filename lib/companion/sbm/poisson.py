@@ -31,9 +31,9 @@ class _RandomSource:
     On CPU with ``cpu_uniforms="numpy"`` (the default of :class:`FastRGTuning`) the
     uniforms come from numpy's PCG64, seeded by one 63-bit draw from the caller's
     ``torch.Generator`` (or torch's global one), so a graph stays reproducible from the
-    torch seed; here numpy's generator is about three times faster than torch's CPU
-    Mersenne Twister, and ``np.flatnonzero`` about nine times faster than
-    ``torch.nonzero``, the two costs that dominated the key draws.  The Poisson counts
+    torch seed; numpy's generator and ``np.flatnonzero`` are faster than torch's CPU
+    Mersenne Twister and ``torch.nonzero``, the two costs that dominated the key draws
+    (``benchmarks/bench_sbm.py`` records the measurements).  The Poisson counts
     then come by inversion of the same stream (:func:`_poisson_by_inversion`) unless
     ``cpu_poisson="torch"``.  Otherwise (CUDA, or ``cpu_uniforms="torch"``) torch's own
     generator and kernels are used.
@@ -89,10 +89,9 @@ def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
     The rates are taken ``block`` at a time (:func:`_invert_block`): the same uniforms
     in the same order and the same arithmetic per rate, so the counts do not depend on
     ``block``, but the dozen passes of a block over its rates, uniforms and partial sums
-    stay in a core's cache.  At 2**16 (512 KiB of uniforms), on a 2 MiB-L2 Xeon: 640,000
-    float32 rates near 0.25 (the ci model's pair grid) in 3.4 against 4.0 ms, 2**20
-    exponential rates of mean 1.6 (fastRG's cells at n = 4096, 5 %, have mean 1.6) in
-    19 against 32 ms.
+    stay in a core's cache: the default 2**16 rates (512 KiB of uniforms) fit a core's
+    L2 (measurements at the ci model's pair grid and fastRG's cells:
+    ``benchmarks/bench_sbm.py``).
 
     Parameters
     ----------
@@ -128,8 +127,8 @@ def _invert_block(rates: np.ndarray, u: np.ndarray, counts: np.ndarray):
     block's counts) from the block's uniforms ``u`` (consumed), except at rates above
     16, whose positions in the block it returns (None if there is none)."""
     # u < 1 - r <= e^{-r}: count 0; 1 - r in float64 for float32 rates too (of their
-    # exact float64 copies: a plain cast and an in-place subtract, about three times
-    # faster here than numpy's mixed-dtype subtract)
+    # exact float64 copies: a plain cast and an in-place subtract, which skip numpy's
+    # mixed-dtype loop)
     if rates.dtype == np.float64:
         one_minus = np.subtract(1.0, rates)
     else:

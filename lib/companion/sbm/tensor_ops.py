@@ -29,8 +29,8 @@ def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
     """Stable argsort of nonnegative integer ``keys < bound`` (int32 or int64).
 
     On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
-    16-bit keys (linear time; about ten times faster here than ``torch.sort`` for
-    millions of keys).  Elsewhere: ``torch.sort(stable=True)`` (a radix sort on CUDA).
+    16-bit keys (linear time, against ``torch.sort``'s comparison sort on CPU).
+    Elsewhere: ``torch.sort(stable=True)`` (a radix sort on CUDA).
     """
     if keys.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=keys.device)
@@ -57,12 +57,12 @@ def repeat_each(values: torch.Tensor, repeats: torch.Tensor,
     """Entry ``i`` of the 1-D ``values`` repeated ``repeats[i]`` times, in order:
     ``values.repeat_interleave(repeats, output_size=total)``.
 
-    On CPU by numpy's ``repeat`` (a copy: the same numbers, bit for bit): here about
-    1.7 times faster than torch's for a million cells of about 1.6 edges each, and 4
-    times for 8,192 rows of 200 (one thread).  Tensors numpy cannot read (on another
-    device, requiring grad, bfloat16, negative or conjugate views) and traced or
-    compiled calls take torch's.  ``total``: the output length when the caller knows it
-    (``sum(repeats)``; checked on the numpy path, trusted by torch's).
+    On CPU by numpy's ``repeat`` (a copy: the same numbers, bit for bit), faster than
+    torch's ``repeat_interleave`` there (measurements: ``benchmarks/bench_sbm.py``).
+    Tensors numpy cannot read (on another device, requiring grad, bfloat16, negative or
+    conjugate views) and traced or compiled calls take torch's.  ``total``: the output
+    length when the caller knows it (``sum(repeats)``; checked on the numpy path,
+    trusted by torch's).
 
     >>> repeat_each(torch.tensor([5, 6, 7]), torch.tensor([2, 0, 1]))
     tensor([5, 5, 7])
@@ -81,14 +81,13 @@ def repeat_each(values: torch.Tensor, repeats: torch.Tensor,
 def transposed_copy(x: torch.Tensor) -> torch.Tensor:
     """``x.transpose(1, 2).contiguous()`` of a 3-D tensor, as a new tensor without grad.
 
-    On CPU (float32 / float64) by numpy's strided copy: at [64, 100, 32] on one thread
-    74 against 110 us for torch's transposing copy (this 2-core machine, load 2.7); the
-    same numbers (a copy). Past 128 rows, in tiles of 128 rows (a tenth of the time of
-    one sweep at [2, 8192, 128]). For the GEMMs' second operands, which ran about twice as fast
-    contiguous as transposed. Always a copy, never a view of ``x`` (``.contiguous()``
-    returns ``x`` itself when a size-1 dimension makes the transpose contiguous). Tensors
-    numpy cannot read (negative or conjugate views) and traced or compiled calls take
-    torch's copy.
+    On CPU (float32 / float64) by numpy's strided copy, the same numbers (a copy) with
+    less overhead than torch's transposing copy; past 128 rows, in tiles of 128 rows, so
+    that the columns written stay short (measurements: ``benchmarks/bench_sbm.py``). For
+    the GEMMs' second operands, which are faster contiguous than transposed. Always a
+    copy, never a view of ``x`` (``.contiguous()`` returns ``x`` itself when a size-1
+    dimension makes the transpose contiguous). Tensors numpy cannot read (negative or
+    conjugate views) and traced or compiled calls take torch's copy.
 
     >>> x = torch.arange(6.0).reshape(1, 2, 3)
     >>> torch.equal(transposed_copy(x), x.transpose(1, 2).contiguous())
@@ -104,8 +103,7 @@ def transposed_copy(x: torch.Tensor) -> torch.Tensor:
         a = x.numpy()
         rows = a.shape[1]
         # tiles of rows (one tile up to 128 rows): a long column written in one sweep
-        # touches a new page per element; a tile's columns are short ([2, 8192, 128]
-        # float32 in 1.5 against 15 ms here)
+        # touches a new page per element; a tile's columns are short, its pages few
         out = np.empty((a.shape[0], a.shape[2], rows), dtype=a.dtype)
         for r0 in range(0, rows, _TRANSPOSE_TILE):
             out[:, :, r0:r0 + _TRANSPOSE_TILE] = a[:, r0:r0 + _TRANSPOSE_TILE].transpose(0, 2, 1)
