@@ -93,6 +93,19 @@ def layer_adjacency(mask: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     (n, n) bool tensor on ``mask.device``.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: one layer as the graph ``A =
+       M OR I``, the residual connection adding ``k == q`` (the section is not known
+       here: the abstract and a secondary summary).
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import chain
+    >>> layer_adjacency(chain(3)).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
     validate_mask(mask)
     eye = torch.eye(mask.shape[0], dtype=torch.bool, device=mask.device)
@@ -138,6 +151,19 @@ def reachability(mask: torch.Tensor, layers: int) -> torch.Tensor:
 
     Complexity: ``O(n^3 log(layers))`` flops by repeated squaring (stops early once the
     powers are stable).
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: ``L`` layers as the Boolean
+       power ``A^L`` (the section is not known here: the abstract and a secondary
+       summary).
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import chain
+    >>> reachability(chain(3), 2)[2].int().tolist()  # position 2 reads 0 after two layers
+    [1, 1, 1]
     """
     layers = check_int("layers", layers, minimum=0)
     adj = layer_adjacency(mask)
@@ -163,6 +189,12 @@ def reachability_sequence(mask: torch.Tensor, max_layers: int | None = None) -> 
     The last entry is the limit ``R`` (it is repeated nowhere). With ``max_layers`` the
     list stops after that many layers even if not yet stable. Intended for drawing
     (small ``n``): one product per layer.
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import chain
+    >>> [int(power.sum()) for power in reachability_sequence(chain(3))]  # A^1, A^2 = R
+    [5, 6]
     """
     adj = layer_adjacency(mask)
     if max_layers is not None:
@@ -227,7 +259,14 @@ def _classes_from_limit(limit: torch.Tensor):
 
 # ------------------------------------------------------------------ public analysis
 class OrderStructure(NamedTuple):
-    """Everything :func:`order_structure` computes for one mask."""
+    """Everything :func:`order_structure` computes for one mask.
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import causal
+    >>> order_structure(causal(2))._fields
+    ('R', 'depth', 'hasse', 'labels')
+    """
 
     R: torch.Tensor  # (n, n) bool limit reachability
     depth: int  # smallest L with A^L = R
@@ -257,6 +296,21 @@ def order_structure(
     Returns
     -------
     OrderStructure(R, depth, hasse, labels), ``R`` and ``labels`` on ``mask.device``.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: the limit ``R = lim A^L``,
+       its classes (a preorder's equivalence classes) and the Hasse diagram of their
+       partial order (the section is not known here: the abstract and a secondary
+       summary).
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import block_causal
+    >>> result = order_structure(block_causal(4, 2))
+    >>> result.depth, sorted(result.hasse.edges), result.labels.tolist()
+    (1, [(0, 1)], [0, 0, 1, 1])
     """
     validate_mask(mask)
     method = _resolve_method(mask, method)
@@ -286,6 +340,23 @@ def reachability_limit(mask: torch.Tensor, *, method: str = "auto") -> tuple[tor
     Returns
     -------
     (R, depth): ``R`` an (n, n) bool tensor on ``mask.device``, ``depth`` an int.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: the limit ``R = lim A^L``,
+       reached after at most ``n - 1`` layers (the section is not known here: the
+       abstract and a secondary summary).
+
+    Examples
+    --------
+    A sliding window of width 3 over 7 positions reaches the causal mask after
+    ``ceil((7 - 1) / (3 - 1)) = 3`` layers:
+
+    >>> from companion.hasse.masks import causal, sliding_window
+    >>> R, depth = reachability_limit(sliding_window(7, 3))
+    >>> depth, torch.equal(R, causal(7))
+    (3, True)
     """
     result = order_structure(mask, method=method)
     return result.R, result.depth
@@ -298,6 +369,21 @@ def hasse_diagram(mask: torch.Tensor, *, method: str = "auto") -> nx.DiGraph:
     sorted tuple of positions), numbered in a topological order (see module docstring);
     edges are the covering relations, from the attended class to the attending class.
     ``graph.graph["n_positions"]`` holds ``n``.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: the Hasse diagram (transitive
+       reduction of the condensation) as the information-flow structure of a deep enough
+       transformer (the section is not known here: the abstract and a secondary
+       summary).
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import block_causal
+    >>> graph = hasse_diagram(block_causal(4, 2))
+    >>> sorted(graph.nodes(data="members")), sorted(graph.edges)
+    ([(0, (0, 1)), (1, (2, 3))], [(0, 1)])
     """
     validate_mask(mask)
     if _resolve_method(mask, method) == "bitset":  # the closure alone: R is not needed
@@ -312,6 +398,14 @@ def condensation_graph(mask: torch.Tensor) -> nx.DiGraph:
     Same nodes (ids, ``members``) as :func:`hasse_diagram`; an edge ``a -> b`` whenever
     some position of class ``b`` attends some position of class ``a`` (``a != b``).
     For drawing the pipeline mask -> R -> condensation -> Hasse diagram.
+
+    Examples
+    --------
+    The causal mask's condensation keeps the edge ``0 -> 2`` that the Hasse diagram drops:
+
+    >>> from companion.hasse.masks import causal
+    >>> sorted(condensation_graph(causal(3)).edges), sorted(hasse_diagram(causal(3)).edges)
+    ([(0, 1), (0, 2), (1, 2)], [(0, 1), (1, 2)])
     """
     result = order_structure(mask, compute_depth=False)
     graph = nx.DiGraph()
@@ -325,7 +419,14 @@ def condensation_graph(mask: torch.Tensor) -> nx.DiGraph:
 
 def tokens_reached(R: torch.Tensor, inputs) -> list[set[int]]:
     """For each position ``q`` the set of source tokens it can read through ``R``:
-    the union of ``inputs[k]`` over ``k`` with ``R[q, k]``."""
+    the union of ``inputs[k]`` over ``k`` with ``R[q, k]``.
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import causal
+    >>> [sorted(tokens) for tokens in tokens_reached(causal(3), [[10], [11], [12]])]
+    [[10], [10, 11], [10, 11, 12]]
+    """
     validate_mask(R, "R")
     if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
         raise TypeError(
