@@ -511,6 +511,23 @@ def velocity(tokens: torch.Tensor, weights: torch.Tensor, sign: int = -1) -> tor
     ``+1`` the GLPR clustering dynamics.
 
     Complexity: ``O(paths heads n^2 d)`` time, no ``n x n`` matrix stored on CPU.
+
+    References
+    ----------
+    .. [1] A. Massucco, D. Del Grande, M. Carioni, C. Brune, C.-B. Schönlieb, "Multi-
+       Headed Transformer Architectures as Time-dependent Wasserstein Gradient Flows",
+       arXiv:2605.18870, Eq. (5): the token dynamics of the multi-head model (numbered
+       per the authors' code README).
+
+    Examples
+    --------
+    The field is tangent to the sphere:
+
+    >>> from companion.gradient_flow.simulation import initial_weights, uniform_sphere
+    >>> x = uniform_sphere(4, 3, torch.Generator().manual_seed(0), paths=1)
+    >>> v = velocity(x, initial_weights(2, 3, torch.Generator().manual_seed(1)))
+    >>> v.shape, bool((v * x).sum(-1).abs().max() < 1e-12)
+    (torch.Size([1, 4, 3]), True)
     """
     return step_quantities(tokens, weights, sign=sign)["velocity"]
 
