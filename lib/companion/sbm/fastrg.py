@@ -84,6 +84,11 @@ class FastRGTuning:
         The ``"auto"`` bound on the pairs of the batch (default ``2**20``).
     key_grid_pairs_per_edge : float >= 0
         The ``"auto"`` bound on pairs per expected edge (default 8: density >= 1/8).
+
+    Examples
+    --------
+    >>> FastRGTuning(cell_grid="keys").key_draw  # one field changed, the rest default
+    'auto'
     """
 
     table_block_entries: int = 1 << 22
@@ -144,6 +149,14 @@ def edge_probabilities(
     >>> p = edge_probabilities(torch.ones(3, 2), torch.full((2, 2), 0.25), torch.ones(4, 2))
     >>> p.shape, float(p[0, 0])
     (torch.Size([3, 4]), 1.0)
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the edge probabilities ``P = Qhat S Khat^T`` of the
+       stochastic block model (section not known here: the abstract and the authors'
+       code).
     """
     qm, sg, km, batch_shape = _groups(q_membership, s, k_membership)
     p = (qm @ sg) @ km.transpose(-1, -2)
@@ -249,6 +262,15 @@ def fastrg_sample(
     >>> group, query, key = fastrg_sample(qm, s, km, torch.Generator().manual_seed(0))
     >>> bool((query[1:] >= query[:-1]).all()), int(key.max()) < 7
     (True, True)
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, each head's graph sampled from its stochastic block model
+       by fastRG (section not known here: the abstract and the authors' code).
+    .. [2] K. Rohe, J. Tao, X. Han, N. Binkiewicz, "A note on quickly sampling a sparse
+       matrix with low rank expectation", JMLR 19 (2018): fastRG.
     """
     _check_options(duplicates, self_loops, generator, tuning)
     qm, sg, km, _, q_times_s = _checked_groups(q_membership, s, k_membership, q_times_s)

@@ -81,6 +81,13 @@ class EdgeGraph:
 
     Memory: two indices per edge (one on CPU; two more once transposed), int32 when they
     fit, and ``O(G (n + m))``.
+
+    Examples
+    --------
+    >>> graph = EdgeGraph(torch.tensor([0, 0, 0]), torch.tensor([1, 0, 0]),
+    ...                   torch.tensor([0, 0, 1]), 1, 2, 2)  # rows given out of order
+    >>> graph.order, graph.counts  # the row-major permutation, edges per query
+    (tensor([1, 2, 0]), tensor([2, 1], dtype=torch.int32))
     """
 
     def __init__(self, group, query, key, num_groups, n, m):
@@ -262,6 +269,15 @@ def attention_on_graph(q2, k2, v2, graph, edge_weight, scale, *, unit_weight=Fal
 
     The building block :func:`edge_attention` wraps and :class:`companion.sbm.SBMAttention`
     calls with the graph it sampled (no arguments are checked here: the callers do).
+
+    Examples
+    --------
+    >>> graph = EdgeGraph(torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1]),
+    ...                   torch.tensor([0, 1, 0]), 1, 2, 2)
+    >>> q2, k2, v2 = torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([[1.0], [3.0]])
+    >>> attention_on_graph(q2, k2, v2, graph, None, 0.5)
+    tensor([[2.],
+            [1.]])
     """
     return _EdgeAttention.apply(q2, k2, v2, edge_weight, graph, scale, unit_weight)
 
@@ -338,6 +354,24 @@ def edge_attention(
     ----------
     Time ``O(E d)``, memory ``O(E + (n + m) d)`` per group, in forward and backward.
     Differentiable once (no double backward).
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, attention restricted to the sampled edges, its cost
+       linear in the edges (section not known here: the abstract and the authors' code).
+
+    Examples
+    --------
+    With equal scores each query averages the values of its own keys: query 0 has keys 0 and
+    1, query 1 has key 0.
+
+    >>> q, k, v = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.tensor([[[1.0], [3.0]]])
+    >>> edges = (torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]))
+    >>> edge_attention(q, k, v, edges)
+    tensor([[[2.],
+             [1.]]])
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

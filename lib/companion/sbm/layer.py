@@ -68,6 +68,14 @@ def sbm_parameters(
     >>> qm, s, km = sbm_parameters(q, k, c, torch.nn.Identity())
     >>> qm.shape, s.shape, km.shape, round(float(s.sum()), 6)
     (torch.Size([5, 3]), torch.Size([3, 3]), torch.Size([7, 3]), 1.0)
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the memberships ``Qhat``, ``Khat`` and the block matrix
+       ``S`` from the queries, keys and cluster embeddings (section not known here: the
+       abstract and the authors' code).
     """
     for name, t in (("q", q), ("k", k), ("cluster_embeddings", cluster_embeddings)):
         check_tensor(name, t, floating=True)
@@ -326,6 +334,14 @@ class SBMAttention(nn.Module):
     >>> out, density = layer(q, k, v, generator=torch.Generator().manual_seed(0))
     >>> out.shape, density.shape
     (torch.Size([1, 2, 6, 4]), torch.Size([1, 2]))
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the SBM-Transformer's attention: sampled graph, attention
+       on its edges, straight-through gradients (section not known here: the abstract
+       and the authors' code).
     """
 
     def __init__(
@@ -543,6 +559,13 @@ def density_regularizer(
     >>> float(density_regularizer([torch.tensor([[0.2, 0.4]]), torch.tensor([[0.6, 0.8]])],
     ...                           lam=0.5))
     0.25
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the penalty on the sampled graphs' density (section not
+       known here: the abstract and the authors' code).
     """
     if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not lam >= 0:
         raise ValueError(f"lam: expected a nonnegative float, got {lam!r}")

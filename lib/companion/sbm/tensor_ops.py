@@ -31,6 +31,11 @@ def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
     On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
     16-bit keys (linear time, against ``torch.sort``'s comparison sort on CPU).
     Elsewhere: ``torch.sort(stable=True)`` (a radix sort on CUDA).
+
+    Examples
+    --------
+    >>> stable_argsort(torch.tensor([2, 0, 2, 1]), 3)  # ties keep their order
+    tensor([1, 3, 0, 2])
     """
     if keys.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=keys.device)
