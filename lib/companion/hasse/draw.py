@@ -29,7 +29,13 @@ __all__ = [
 
 
 def format_members(members) -> str:
-    """Compact label for a class: ``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    """Compact label for a class: ``(0, 1, 2, 5)`` -> ``"0-2,5"``.
+
+    Examples
+    --------
+    >>> format_members((0, 1, 2, 5, 7, 8))
+    '0-2,5,7-8'
+    """
     members = sorted(members)
     parts, start, prev = [], None, None
     for m in members:
@@ -47,7 +53,13 @@ def format_members(members) -> str:
 
 def hasse_layout(graph: nx.DiGraph, *, key=None) -> dict:
     """Layered top-down layout: sources at the top, each node one row below its lowest
-    cover, nodes in a row ordered by ``key(node)`` (default: smallest member)."""
+    cover, nodes in a row ordered by ``key(node)`` (default: smallest member).
+
+    Examples
+    --------
+    >>> hasse_layout(nx.DiGraph([(0, 1), (0, 2)]))
+    {0: (0.0, 0), 1: (-0.5, -1), 2: (0.5, -1)}
+    """
     if not isinstance(graph, nx.DiGraph):
         raise TypeError(f"graph: expected a networkx.DiGraph, got {describe(graph)}")
     if key is None:
@@ -262,6 +274,17 @@ def draw_mask(ax, mask: torch.Tensor, title: str | None = None, *, cmap="Blues",
     Dark = allowed (``True``). Positions are numbered from 0; for ``n <= 24`` every
     position gets a tick and every second one (every one for ``n <= 10``) a label, at
     ``font_size`` points. Returns ``ax``.
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> from companion.hasse.masks import causal
+    >>> fig, ax = plt.subplots()
+    >>> draw_mask(ax, causal(3), "causal") is ax
+    True
+    >>> plt.close(fig)
     """
     _check_axes("draw_mask", ax, "mask")
     validate_mask(mask)
