@@ -38,13 +38,28 @@ book/_static/mathjax/tex-chtml.js:
 	npm install --prefix .cache/npm --no-audit --no-fund --silent mathjax@$(MATHJAX_VERSION)
 	rm -rf book/_static/mathjax && cp -r .cache/npm/node_modules/mathjax/es5 book/_static/mathjax
 
+# Debian's package locks are held on a fresh machine while automatic updates run, or by
+# another setup: apt-get then fails with "Could not get lock". APT_WAIT says so and waits
+# until they are free (up to 10 min; a lock is free when a POSIX lock on it can be taken,
+# as apt and dpkg take it), and APT_GET waits itself for the locks it takes later.
+APT_LOCKS := /var/lib/dpkg/lock-frontend /var/lib/dpkg/lock /var/lib/apt/lists/lock \
+  /var/cache/apt/archives/lock
+APT_WAIT := waited=0; for lock in $(APT_LOCKS); do \
+  while [ -e $$lock ] && ! $(PYTHON) -c 'import fcntl, sys; fcntl.lockf(open(sys.argv[1], "a"), \
+    fcntl.LOCK_EX | fcntl.LOCK_NB)' $$lock 2>/dev/null && [ $$waited -lt 600 ]; do \
+    [ $$waited = 0 ] && echo "setup: $$lock is held (automatic updates or another apt-get):" \
+      "waiting for it, up to 10 min"; \
+    sleep 5; waited=$$((waited + 5)); done; done
+APT_GET := apt-get -o DPkg::Lock::Timeout=600
+
 # Headless Chromium for the browser check of the built book (Debian packages).
 .PHONY: browser
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "setup: installing chromium and chromium-driver"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  $(APT_WAIT); $(APT_GET) update -qq && { $(APT_WAIT); DEBIAN_FRONTEND=noninteractive \
+	    $(APT_GET) install -y -qq chromium chromium-driver >/dev/null; }; \
 	else echo "setup: chromium/chromedriver missing and not root: the browser check will be skipped"; fi
 
 # The quick book (CI, newcomers): every chapter at SCALE (default ci). SCALE may also be
@@ -89,8 +104,8 @@ latex:
 	@if command -v latexmk >/dev/null && command -v xelatex >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "pdf: installing TeX Live ($(TEX_PACKAGES))"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    --no-install-recommends $(TEX_PACKAGES) >/dev/null; \
+	  $(APT_WAIT); $(APT_GET) update -qq && { $(APT_WAIT); DEBIAN_FRONTEND=noninteractive \
+	    $(APT_GET) install -y -qq --no-install-recommends $(TEX_PACKAGES) >/dev/null; }; \
 	else echo "pdf: latexmk and xelatex are missing; install the Debian packages:" \
 	  "sudo apt-get install --no-install-recommends $(TEX_PACKAGES)" >&2; exit 1; fi
 

@@ -45,6 +45,10 @@ per window on each half, the second tracking tokens, then post-W_O over all wind
 against ``two_passes`` (``where=("pre_wo", "post_wo")`` on each half, the post-W_O
 statistics continued over both), interleaved; writes ``context_similarity_chapter_pass``.
 
+Why the segmentation's loops run on one intra-op thread
+(``segmentation_eval.LOOP_THREADS``), as first measured: their many small reductions ran
+7x slower with 2 threads than with 1 on the loaded 2-core machine of the book's CI.
+
 ``--segmentation``: the chapter's segmentation cell (issue 14) on Brown windows of the
 paper's setting (the first 4 of each document, 128 tokens): ``window_features``, ``tune``
 and ``predict_all`` timed phase by phase, with the paper-scale window count and the cell's

@@ -16,6 +16,20 @@ fraction of that limit our step reaches.
 Also where one step's time goes: self CPU time per torch operator of a warm step at 1 thread
 (torch.profiler), with the number of calls per step.
 
+Choices in the library made from one-off measurements (2 MiB-L2 Intel Xeon of the book's
+CI; the code keeps the reason, the figures are here):
+
+- ``KernelTuning.block_elements`` = 2**18 on CPU: at n = 200, H = 100, 10 paths, the
+  kernel with ``exp``, medians of 5 interleaved runs: 55.8 ms per step at 1 thread,
+  against 58.5 with 2**17, 60.5 with 2**19 and 75.2 with 2**16; at 2 threads 43.0,
+  against 45.0, 40.2 and 59.4, with overlapping ranges;
+- a step's own operations on one intra-op thread: with several, on the loaded 2-core
+  machine, a step was 20x slower than on one thread;
+- the contraction with the matrices as the left operand: ``[k, d H] @ [d H, n]`` ran 2.5x
+  faster than ``[n, d H] @ [d H, k]`` for k = 3, 9 (MKL, float64);
+- ``analysis._pairwise_distances`` one coordinate at a time on ``[n, m]`` planes: about
+  6x faster than ``np.linalg.norm`` at n = 200, d = 3.
+
 Writes benchmarks/results/gradient_flow.json and .md.
 """
 from __future__ import annotations

@@ -43,6 +43,44 @@ The step also reports its matrix-product FLOPs (``torch.utils.flop_counter``) fo
 dense, the SBM sampler's seconds per step, and from them a floor of SBM / dense: the SBM
 GEMMs at the dense step's FLOP rate plus the sampler.
 
+Choices in the library made from one-off measurements (CPU, one thread, on the 2-core
+machine of the book's CI; not re-measured by this run, which times the whole paths they
+are part of). The code keeps the reason; the figures are here:
+
+* ``tensor_ops.stable_argsort``: numpy's 16-bit radix passes about ten times faster than
+  ``torch.sort`` for millions of keys;
+* ``tensor_ops.repeat_each``: numpy's ``repeat`` about 1.7 times faster than torch's
+  ``repeat_interleave`` for a million cells of about 1.6 edges each, 4 times for 8,192
+  rows of 200;
+* ``tensor_ops.transposed_copy``: at [64, 100, 32] 74 against 110 us for torch's
+  transposing copy (load 2.7); in tiles of 128 rows, [2, 8192, 128] float32 in 1.5
+  against 15 ms for one sweep; GEMMs with a transposed second operand (``bmm``, also
+  ``layer._count_attention_forward``'s ``K^T``) took about twice as long as with a
+  contiguous one;
+* ``graph_attention``: ``_flat_index`` by numpy about twice as fast as torch's integer
+  add with ``alpha`` and its conversion; ``_is_sorted`` by numpy about three times
+  faster than torch's compare and ``all``; the transposed CSR by scipy's CSR -> CSC
+  conversion 12 against 30 ms (radix argsort, bincount and gather) at 1.7 M edges;
+  ``index_select`` several times faster than advanced indexing;
+* ``poisson``: numpy's PCG64 about three times faster than torch's CPU Mersenne Twister
+  and ``np.flatnonzero`` about nine times faster than ``torch.nonzero``; the inversion in
+  blocks of 2**16 rates (512 KiB of uniforms, on a 2 MiB-L2 Xeon): 640,000 float32 rates
+  near 0.25 (the ci model's pair grid) in 3.4 against 4.0 ms, 2**20 exponential rates
+  of mean 1.6 (fastRG's cells at n = 4096, 5 %) in 19 against 32 ms; ``1 - r`` by a
+  cast and an in-place subtract about three times faster than numpy's mixed-dtype
+  subtract;
+* ``fastrg._finite_sum``: one min/max pass in about a third of the time of the float64
+  sum;
+* ``key_draws``: the row sums of the contiguous float64 copy in a third of the time;
+  the inverse-CDF search in sorted order several times faster than torch's random-order
+  search; ``index_select`` about five times faster than ``take``; the numpy rejection
+  round about a quarter faster than the torch one on numpy's uniforms;
+* ``layer``: the ``-1e30`` bias by one fused add against a boolean mask several times
+  slower (``zeros_like`` + ``masked_fill_`` about 15 times as long, the bool compare
+  alone about 3 float passes); the exponential's subnormal range about ten times slower,
+  and subnormal ``u`` on absent pairs made two [G, n, m] passes of the backward 5-10x
+  slower on Intel processors.
+
 Run: ``.venv/bin/python benchmarks/bench_sbm.py [--quick]``; writes
 ``benchmarks/results/sbm.json`` and ``sbm.md`` and prints the table.
 """

@@ -173,8 +173,8 @@ ROWS = [
     Row("masks.mask_mod empty", "empty",
         lambda: M.mask_mod(torch.zeros(0, 0, dtype=torch.bool)), ValueError,
         r"^mask: expected a non-empty mask"),
-    Row("masks.dense_from_mask_mod not callable", "type",
-        lambda: M.dense_from_mask_mod(M.causal(3), 3), TypeError,
+    Row("masks.materialise not callable", "type",
+        lambda: M.materialise(M.causal(3), 3), TypeError,
         r"^mod: expected a mask_mod\(b, h, q_idx, kv_idx\), got a torch\.bool tensor of shape "
         r"\(3, 3\) on cpu$"),
     Row("masks.prefix_lm prefix > n", "negative", lambda: M.prefix_lm(3, 4), ValueError,

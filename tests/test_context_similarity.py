@@ -700,6 +700,61 @@ def test_merge_is_associative_and_equals_streaming():
         left.merge(SimilarityStats(**{**cfg, "percentile": 2.0}))
 
 
+@pytest.fixture
+def far_pairs_statistic():
+    """A statistic registered here, in a test module, after SimilarityStats was defined:
+    high pairs farther apart than 4 tokens (corpus sum and per-window part)."""
+    name = "test_far_pairs"
+
+    def register():
+        @stats_module.batch_sum(name, ("L", "H"), torch.long, needs="pairs")
+        def _far(b):
+            return b.kept(b.distance > 4).sum((0, 3))
+
+        @stats_module.window_sum(name, needs="pairs")
+        def _far_w(b):
+            return b.kept(b.distance > 4).sum(3).double()
+
+    try:
+        yield name, register
+    finally:
+        stats_module.STATISTICS.pop(name, None)
+
+
+def test_stats_sum_a_statistic_registered_later_in_another_module(far_pairs_statistic):
+    name, register = far_pairs_statistic
+    parts = [_random_batch(s) for s in range(2)]
+    cfg = dict(n_layers=2, n_heads=3, length=20, vocab_size=9, percentile=5.0,
+               separators={"sep": 2}, per_window=True)
+    made_before = SimilarityStats(**cfg)  # exists before the registration
+    register()
+    for stats in (made_before, SimilarityStats(**cfg)):
+        stats.update(parts[0]).update(parts[1])
+        far = stats.distance_hist[..., 5:].sum(-1)  # independent: the distance histogram
+        assert name in stats.tensors() and torch.equal(stats.tensors()[name], far)
+        assert torch.equal(stats.window_sums()[name].sum(0), far.double())
+        merged = SimilarityStats(**cfg).update(parts[0]).merge(
+            SimilarityStats(**cfg).update(parts[1]))
+        assert torch.equal(merged.tensors()[name], far)
+        restored = SimilarityStats.from_state_dict(stats.state_dict())
+        assert torch.equal(restored.tensors()[name], far)
+        assert torch.equal(stats.to("cpu").tensors()[name], far)
+    state = made_before.state_dict()
+    del state["sums"][name]
+    with pytest.raises(ValueError, match=f"state: no sums for the registered statistics "
+                                         f"\\['{name}'\\]"):
+        SimilarityStats.from_state_dict(state)
+
+
+def test_stats_refuse_a_statistic_registered_after_windows_were_added(far_pairs_statistic):
+    name, register = far_pairs_statistic
+    stats = SimilarityStats(2, 3, 20, 9, percentile=5.0).update(_random_batch(0))
+    register()
+    with pytest.raises(RuntimeError, match=f"statistics \\['{name}'\\] were registered "
+                                           "after this SimilarityStats added windows"):
+        stats.update(_random_batch(1))
+
+
 _reference_window_sums = reference.window_sums_reference
 
 

@@ -165,7 +165,7 @@ def test_draw_hasse_in_a_panel_of_hasse_panel_inches_keeps_circles_apart_and_ins
     w, h = D.hasse_panel_inches(pos, size)
     fig = plt.figure(figsize=(w + 1, h + 1))
     ax = fig.add_axes((0.5 / (w + 1), 0.5 / (h + 1), w / (w + 1), h / (h + 1)))
-    D.draw_hasse(g, ax, pos=pos, labels=labels, node_size=size)
+    D.draw_hasse(ax, g, pos=pos, labels=labels, node_size=size)
     D.fit_hasse_axes(ax, pos, size)
     centres, radius = _circles_in_inches(ax, pos, size)
     points = np.array(list(centres.values()))
@@ -187,13 +187,27 @@ def test_draw_hasse_in_a_panel_of_hasse_panel_inches_keeps_circles_apart_and_ins
 def test_draw_hasse_defaults_fit_the_labels_and_bad_graph():
     g = RR.hasse_diagram(M.block_causal(6, 3))
     fig, ax = plt.subplots()
-    pos = D.draw_hasse(g, ax)
+    pos = D.draw_hasse(ax, g)
     assert sorted(t.get_text() for t in ax.texts) == ["0-2", "3-5"]
     sizes = ax.collections[0].get_sizes()
     assert np.allclose(sizes, D.label_node_size(["0-2", "3-5"], 8))
     assert pos == D.ranked_layout(g)
     with pytest.raises(TypeError, match="graph"):
-        D.draw_hasse(M.causal(3), ax)
+        D.draw_hasse(ax, M.causal(3))
+    plt.close(fig)
+
+
+def test_drawing_functions_take_the_axes_first_and_name_the_older_order():
+    fig, ax = plt.subplots()
+    g, mask = RR.hasse_diagram(M.causal(3)), M.causal(3)
+    with pytest.raises(TypeError, match=r"ax: expected a matplotlib Axes, got .*DiGraph.*"
+                                        r"draw_hasse\(ax, graph, ...\)"):
+        D.draw_hasse(g, ax)
+    for draw in (D.draw_mask, D.draw_reach_layers):
+        with pytest.raises(TypeError, match=rf"the axes come first: {draw.__name__}\(ax, mask"):
+            draw(mask, ax)
+        with pytest.raises(TypeError, match="ax: expected a matplotlib Axes, got None"):
+            draw(None, mask)
     plt.close(fig)
 
 

@@ -1,10 +1,17 @@
-"""Masks: closed forms against element-wise definitions, mask_mods against dense masks."""
+"""Masks: closed forms against element-wise definitions, mask_mods against dense masks,
+and the mask registry (every mask_mod has its predicate and its reference pair)."""
+import importlib
+import inspect
 import itertools
+import pkgutil
 
 import pytest
 import torch
 
+import companion.hasse
 from companion.hasse import masks as M
+from companion.hasse import reference as ref
+from reference_pairs import hasse as hasse_pairs
 
 
 def _from_predicate(n, pred):
@@ -99,13 +106,13 @@ def test_named_mask_mods_match_dense(n):
     ]
     for mod, dense in pairs:
         if dense.shape[0] == n and mod is not None:
-            assert torch.equal(M.dense_from_mask_mod(mod, n), dense)
-    assert torch.equal(M.dense_from_mask_mod(M.mask_mod(M.causal(n)), n), M.causal(n))
+            assert torch.equal(M.materialise(mod, n), dense)
+    assert torch.equal(M.materialise(M.mask_mod(M.causal(n)), n), M.causal(n))
     b2 = M.block_two_stream_mask(n, 2)
-    assert torch.equal(M.dense_from_mask_mod(M.block_two_stream_mask_mod(n, 2), b2.shape[0]), b2)
+    assert torch.equal(M.materialise(M.block_two_stream_mask_mod(n, 2), b2.shape[0]), b2)
     if n >= 2:
         bf = M.butterfly_mask(n)
-        assert torch.equal(M.dense_from_mask_mod(M.butterfly_mask_mod(n), bf.shape[0]), bf)
+        assert torch.equal(M.materialise(M.butterfly_mask_mod(n), bf.shape[0]), bf)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -170,3 +177,76 @@ def test_materialise_broadcasts_a_mod_of_one_index():
     m = M.materialise(even_queries, 5)
     assert m.shape == (5, 5) and m.is_contiguous()
     assert torch.equal(m, _from_predicate(5, lambda q, k: q % 2 == 0))
+
+
+# ----------------------------------------------------------------- the mask registry
+ADDING_A_MASK = (
+    "a mask lives in three places: its mask_mod `NAME_mask_mod` in "
+    "lib/companion/hasse/masks.py, its predicate `PREDICATES['NAME']` in "
+    "lib/companion/hasse/reference.py, and its entry in `_MODS` of "
+    "tests/reference_pairs/hasse.py (the pair `hasse.materialise.NAME`)")
+
+
+def _public_mask_mods() -> dict[str, str]:
+    """Every public ``*_mask_mod`` function defined in a module of companion.hasse, by mask
+    name (``causal_mask_mod`` -> ``causal``), with where it is defined."""
+    found = {}
+    for info in pkgutil.iter_modules(companion.hasse.__path__):
+        module = importlib.import_module(f"companion.hasse.{info.name}")
+        for name, obj in inspect.getmembers(module, inspect.isfunction):
+            if (name.endswith("_mask_mod") and not name.startswith("_")
+                    and obj.__module__ == module.__name__):
+                found[name.removesuffix("_mask_mod")] = f"{module.__name__}.{name}"
+    return found
+
+
+def _pair_masks() -> set[str]:
+    prefix = "hasse.materialise."
+    return {p.name.removeprefix(prefix) for p in hasse_pairs.PAIRS if p.name.startswith(prefix)}
+
+
+def check_mask_registry(mods: dict[str, str], predicates, pairs: set[str]) -> None:
+    """Raise AssertionError, naming the missing places, unless every mask_mod has a
+    predicate and a reference pair and every predicate or pair has its mask_mod."""
+    problems = []
+    for name, where in sorted(mods.items()):
+        if name not in predicates:
+            problems.append(f"{where} has no predicate PREDICATES[{name!r}] in "
+                            "lib/companion/hasse/reference.py")
+        if name not in pairs:
+            problems.append(f"{where} has no reference pair: add ({name!r}, ...) to _MODS in "
+                            "tests/reference_pairs/hasse.py")
+    for name in sorted(set(predicates) - set(mods)):
+        problems.append(f"PREDICATES[{name!r}] in lib/companion/hasse/reference.py has no "
+                        f"{name}_mask_mod in companion.hasse")
+    for name in sorted(pairs - set(mods)):
+        problems.append(f"the pair hasse.materialise.{name} in tests/reference_pairs/hasse.py "
+                        f"has no {name}_mask_mod in companion.hasse")
+    assert not problems, "; ".join(problems) + f" ({ADDING_A_MASK})"
+
+
+def test_every_mask_mod_has_a_predicate_and_a_reference_pair():
+    mods = _public_mask_mods()
+    assert {"causal", "random", "butterfly", "block_two_stream"} <= set(mods)
+    check_mask_registry(mods, ref.PREDICATES, _pair_masks())
+
+
+def test_a_forgotten_step_of_a_new_mask_fails_and_names_the_other_places(monkeypatch):
+    def diagonal_mask_mod(b, h, q_idx, kv_idx):
+        return q_idx == kv_idx
+
+    diagonal_mask_mod.__module__ = M.__name__
+    monkeypatch.setattr(M, "diagonal_mask_mod", diagonal_mask_mod, raising=False)
+    mods = _public_mask_mods()
+    assert mods["diagonal"] == "companion.hasse.masks.diagonal_mask_mod"
+    with pytest.raises(AssertionError) as both:  # the mask_mod alone
+        check_mask_registry(mods, ref.PREDICATES, _pair_masks())
+    assert "reference.py" in str(both.value) and "reference_pairs/hasse.py" in str(both.value)
+    predicates = {**ref.PREDICATES, "diagonal": lambda: lambda q, k: q == k}
+    with pytest.raises(AssertionError, match="no reference pair") as pair_only:
+        check_mask_registry(mods, predicates, _pair_masks())
+    assert "no predicate" not in str(pair_only.value)
+    without_mod = {k: v for k, v in mods.items() if k != "diagonal"}
+    with pytest.raises(AssertionError, match=r"PREDICATES\['diagonal'\].*no diagonal_mask_mod"):
+        check_mask_registry(without_mod, predicates, _pair_masks())
+    check_mask_registry(mods, predicates, _pair_masks() | {"diagonal"})

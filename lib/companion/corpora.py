@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from companion._validate import check_bool, check_int, describe
 
 if TYPE_CHECKING:  # torch is imported where windows are made: `install` (what `make
-    import torch   # setup` runs every time) and `load_corpus` start without it (2-5 s)
+    import torch   # setup` runs every time) and `load_corpus` start without its import
 
 
 def sha256_file(path: Path) -> str:

@@ -11,6 +11,11 @@ how close they must be: ``exact=True`` for results that must agree bit for bit (
 and Boolean outputs, or a fast path that was bit-identical before), else ``rtol``/``atol``
 per dtype. ``compare`` may be given instead, for outputs that are not tensors (it
 raises ``AssertionError`` with a message when they differ).
+
+``covers`` names the public library functions a pair holds to their reference, when
+``fast`` is a wrapper (a lambda, a function of the test) rather than the library function
+itself; ``test_every_fast_kernel_has_a_pair`` reads it: every public function of a fast
+module (``KERNEL_MODULES`` there) is covered by some pair or says why it needs none.
 """
 from __future__ import annotations
 
@@ -40,6 +45,13 @@ class Pair:
     tolerances: dict = field(default_factory=lambda: dict(TOLERANCES))
     compare: Callable[[Any, Any, torch.dtype], None] | None = None
     cuda: bool = True
+    covers: tuple = ()
+
+    def covered(self) -> tuple:
+        """The library functions this pair checks: ``covers``, and ``fast`` itself when
+        it is a function of the library."""
+        own = (self.fast,) if getattr(self.fast, "__module__", "").startswith("companion.") else ()
+        return (*own, *self.covers)
 
 
 def assert_same(fast: Any, reference: Any, *, exact: bool, rtol: float, atol: float,

@@ -105,7 +105,7 @@ def compare_scaled(fast, ref, dtype):
 
 PAIRS = [
     Pair("gradient_flow.step.whole", step_with(lambda n, H: gf.KernelTuning()), reference,
-         make_state, SIZES, compare=compare_scaled),
+         make_state, SIZES, compare=compare_scaled, covers=(gf.step_quantities,)),
     Pair("gradient_flow.step.blocks",  # blocks of 2 query rows, ragged last block
          step_with(lambda n, H: gf.KernelTuning(block_elements=2 * n * H)), reference,
          make_state, SIZES, compare=compare_scaled),
@@ -126,5 +126,5 @@ PAIRS = [
     Pair("gradient_flow.step.loops", fast_without_z, loops, make_state, LOOP_SIZES,
          compare=compare_scaled),
     Pair("gradient_flow.simulate.euler_step", euler_step, euler_step_loops, make_plain,
-         LOOP_SIZES, compare=compare_scaled),
+         LOOP_SIZES, compare=compare_scaled, covers=(gf.simulate,)),
 ]

@@ -146,6 +146,11 @@ def _first_reach_layer_reference(mask):
     return first
 
 
+def _reachability_sequence_reference(mask):  # [A^1, ..., A^L*], at least A^1
+    _, depth = ref.reachability_limit(mask)
+    return [ref.boolean_power(mask, layers) for layers in range(1, max(depth, 1) + 1)]
+
+
 # (mask name, the mod from masks.py, reference parameters, sizes)
 _MODS = [
     ("causal", lambda n: M.causal_mask_mod, (), (1, 2, 7)),
@@ -180,21 +185,26 @@ def _mask_pair(name, mod_of, params, sizes):
         fast=lambda n, device: M.materialise(mod_of(n), size_of(n), device=device),
         reference=lambda n, device: ref.dense_mask(predicate(n), size_of(n)),
         make=lambda size, dtype, device, generator: (size, device),
-        sizes=sizes, dtypes=BOOL, exact=True,
+        sizes=sizes, dtypes=BOOL, exact=True, covers=(M.materialise,),
     )
 
 
 PAIRS = [
     Pair(name="hasse.reachability", fast=RR.reachability, reference=ref.boolean_power,
          make=_make_mask_layers, sizes=GRAPH_SIZES, dtypes=BOOL, exact=True),
+    Pair(name="hasse.layer_adjacency", fast=RR.layer_adjacency, reference=ref.layer_adjacency,
+         make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL, exact=True, cuda=False),
+    Pair(name="hasse.reachability_sequence", fast=RR.reachability_sequence,
+         reference=_reachability_sequence_reference, make=_make_mask, sizes=GRAPH_SIZES,
+         dtypes=BOOL, exact=True, cuda=False),
     Pair(name="hasse.reachability_limit.bitset",
          fast=lambda m: RR.reachability_limit(m, method="bitset"),
          reference=ref.reachability_limit, make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL,
-         exact=True, cuda=False),
+         exact=True, cuda=False, covers=(RR.reachability_limit, RR.order_structure)),
     Pair(name="hasse.reachability_limit.matmul",
          fast=lambda m: RR.reachability_limit(m, method="matmul"),
          reference=ref.reachability_limit, make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL,
-         exact=True),
+         exact=True, covers=(RR.reachability_limit, RR.order_structure)),
     Pair(name="hasse.reachability_limit.auto", fast=RR.reachability_limit,
          reference=ref.reachability_limit, make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL,
          exact=True),
@@ -215,16 +225,20 @@ PAIRS = [
          sizes=("random-19", "hubchain-23", "chain-17"), dtypes=BOOL, exact=True, cuda=False),
     Pair(name="hasse.packed_order_structure.mask_mod", fast=_packed_fast_mod,
          reference=_packed_reference_mod, make=_packed_from_mod, sizes=GRAPH_SIZES,
-         dtypes=BOOL, compare=_packed_same, cuda=False),
+         dtypes=BOOL, compare=_packed_same, cuda=False,
+         covers=(RR.packed_adjacency, RR.packed_order_structure, RR.unpack_reach)),
     Pair(name="hasse.packed_order_structure.edges", fast=_packed_fast_edges,
          reference=_packed_reference_edges, make=_packed_from_edges, sizes=GRAPH_SIZES,
-         dtypes=BOOL, compare=_packed_same, cuda=False),
+         dtypes=BOOL, compare=_packed_same, cuda=False,
+         covers=(RR.packed_adjacency_from_edges, RR.packed_order_structure)),
     Pair(name="hasse.hasse_diagram.bitset",
          fast=lambda m: RR.hasse_diagram(m, method="bitset"), reference=ref.hasse_diagram,
-         make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL, compare=_graphs_equal, cuda=False),
+         make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL, compare=_graphs_equal, cuda=False,
+         covers=(RR.hasse_diagram,)),
     Pair(name="hasse.hasse_diagram.matmul",
          fast=lambda m: RR.hasse_diagram(m, method="matmul"), reference=ref.hasse_diagram,
-         make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL, compare=_graphs_equal),
+         make=_make_mask, sizes=GRAPH_SIZES, dtypes=BOOL, compare=_graphs_equal,
+         covers=(RR.hasse_diagram, RR.order_structure)),
     Pair(name="hasse.first_reach_layer", fast=RR.first_reach_layer,
          reference=_first_reach_layer_reference, make=_make_mask,
          sizes=("empty-1", "random-7", "chain-9", "window3-11", "butterfly-4"), dtypes=BOOL,

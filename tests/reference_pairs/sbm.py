@@ -14,6 +14,7 @@ import torch
 
 from companion.sbm import dense_masked_attention, edge_attention, edge_probabilities, fastrg_sample
 from companion.sbm.reference import dense_edge_counts, dense_edge_probabilities
+from companion.sbm.tensor_ops import repeat_each, stable_argsort, transposed_copy
 from reference_pairs import Pair
 
 # (batch, heads, n, m, head size, duplicates); odd sizes, a single query, few keys (many
@@ -144,8 +145,35 @@ def _make_probabilities(size, dtype, device, generator):
     return qm.to(device), s.to(device), km.to(device)
 
 
+def _make_keys(size, dtype, device, generator):  # ties: stability matters
+    n, bound = size
+    keys = torch.randint(0, bound, (n,), generator=generator)
+    keys[::3] = keys[0] if n else keys[::3]
+    return keys.to(device), bound
+
+
+def _make_repeats(size, dtype, device, generator):
+    values = torch.randn(size, generator=generator, dtype=dtype)
+    repeats = torch.randint(0, 4, (size,), generator=generator)
+    return values.to(device), repeats.to(device)
+
+
+def _make_3d(size, dtype, device, generator):
+    return (torch.randn(*size, generator=generator, dtype=dtype).to(device),)
+
+
 PAIRS = [
-    Pair("sbm.edge_attention", edge_forward, dense_forward, _make_attention, ATTENTION_SIZES),
+    Pair("sbm.stable_argsort", stable_argsort,
+         lambda keys, bound: torch.sort(keys, stable=True).indices, _make_keys,
+         ((0, 7), (1, 7), (5000, 7), (4099, 1 << 16), (3001, 1 << 40)), dtypes=(torch.int64,),
+         exact=True),
+    Pair("sbm.repeat_each", repeat_each, lambda v, r: v.repeat_interleave(r), _make_repeats,
+         (0, 1, 333, 1000), exact=True),
+    Pair("sbm.transposed_copy", transposed_copy,
+         lambda x: x.transpose(1, 2).contiguous(), _make_3d,
+         ((3, 5, 7), (1, 1, 1), (2, 0, 3), (2, 300, 5)), exact=True),
+    Pair("sbm.edge_attention", edge_forward, dense_forward, _make_attention, ATTENTION_SIZES,
+         covers=(edge_attention,)),
     Pair("sbm.edge_attention_gradients", edge_gradients, dense_gradients, _make_attention,
          ATTENTION_SIZES),
     Pair("sbm.count_attention", count_forward, weighted_dense_forward, _make_attention,

@@ -113,6 +113,14 @@ def standardise(m: torch.Tensor) -> torch.Tensor:
     Tensor [..., n, n] of the same dtype: ``(m - mean) / std`` off the diagonal (mean and
     population std of the ``n(n-1)`` off-diagonal entries of each matrix; a constant
     matrix gives zeros), 0 on it.
+
+    Examples
+    --------
+    >>> m = torch.tensor([[0.0, 2.0, 1.0], [2.0, 0.0, 3.0], [1.0, 3.0, 0.0]])
+    >>> standardise(m)
+    tensor([[ 0.0000,  0.0000, -1.2247],
+            [ 0.0000,  0.0000,  1.2247],
+            [-1.2247,  1.2247,  0.0000]])
     """
     _check_square("m", m)
     if m.shape[-1] < 2:
@@ -178,6 +186,13 @@ def detrend(m: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     Tensor [..., n, n].
+
+    Examples
+    --------
+    >>> detrend(torch.tensor([[0.0, 1.0, 3.0], [1.0, 0.0, 2.0], [3.0, 2.0, 0.0]]))
+    tensor([[ 0.0000, -0.5000,  0.0000],
+            [-0.5000,  0.0000,  0.5000],
+            [ 0.0000,  0.5000,  0.0000]])
     """
     _check_square("m", m)
     return _detrend(m)
@@ -256,7 +271,13 @@ def combine(sims: torch.Tensor, layers=None, heads=None, *, symmetrise: bool = F
 
 
 def head_selection(n_layers: int, n_heads: int, layers=None, heads=None) -> dict:
-    """Validate a choice of layers and heads; return ``{layer: [heads]}`` (ordered)."""
+    """Validate a choice of layers and heads; return ``{layer: [heads]}`` (ordered).
+
+    Examples
+    --------
+    >>> head_selection(2, 3, layers=[1], heads=[0, 2])
+    {1: [0, 2]}
+    """
     if layers is None:
         layers = list(range(n_layers))
     if isinstance(layers, (int, str)) or not hasattr(layers, "__iter__"):
@@ -335,6 +356,14 @@ def segment_gains(m: torch.Tensor) -> torch.Tensor:
     From the prefix sums ``P[r, c] = sum_{i < r, j < c, i < j} M_ij`` of the strict upper
     triangle: ``W(a, b) = P[b, b] - P[a, b]`` (entries with ``a > b`` are meaningless).
     Returns [..., n + 1, n + 1] in the input's precision (at least float32).
+
+    Examples
+    --------
+    >>> segment_gains(torch.ones(3, 3) - torch.eye(3))  # W[0, 3]: the 3 pairs of 0..2
+    tensor([[0., 0., 1., 3.],
+            [0., 0., 0., 1.],
+            [0., 0., 0., 0.],
+            [0., 0., 0., 0.]])
     """
     _check_square("m", m)
     u = torch.triu(m.to(_work_dtype(m.dtype)), diagonal=1)
@@ -367,6 +396,14 @@ def optimal_segmentation(m: torch.Tensor, penalty) -> torch.Tensor:
     ----------
     O(n^2) time per matrix and penalty (n Python-level steps, each one vectorised
     reduction), O(n^2) memory per matrix plus O(n) per penalty.
+
+    Examples
+    --------
+    Two blocks of mutually similar tokens: the optimum starts a segment at token 2.
+
+    >>> m = torch.block_diag(torch.ones(2, 2), torch.ones(3, 3)) * 2 - 1
+    >>> optimal_segmentation(m.fill_diagonal_(0), 0.0)
+    tensor([False, False,  True, False, False])
     """
     _check_square("m", m)
     pen, scalar = _penalties(penalty)
@@ -495,6 +532,12 @@ def optimal_segmentation_reference(m: torch.Tensor, penalty: float) -> list[int]
     ``W(a, b)`` is summed pair by pair; ``F(b) = max(W(0, b), max_{0 < a < b} F(a) +
     W(a, b) - penalty)``; ties go to the earliest start. Returns the sorted segment starts
     (excluding 0). O(n^4): for checking :func:`optimal_segmentation` on small cases.
+
+    Examples
+    --------
+    >>> m = torch.block_diag(torch.ones(2, 2), torch.ones(3, 3)) * 2 - 1
+    >>> optimal_segmentation_reference(m.fill_diagonal_(0), 0.0)
+    [2]
     """
     _check_square("m", m)
     if m.dim() != 2:
@@ -565,6 +608,17 @@ def texttiling_scores(x: torch.Tensor, width: int) -> torch.Tensor:
     Returns
     -------
     Tensor [..., n] float64: depth score per gap (index 0 is 0, no gap there).
+
+    References
+    ----------
+    .. [1] M. A. Hearst, "TextTiling: Segmenting text into multi-paragraph subtopic
+       passages", Computational Linguistics 23(1), 1997: the depth scores of the gaps.
+
+    Examples
+    --------
+    >>> x = torch.tensor([[1.0, 0], [1, 0], [1, 0], [0, 1], [0, 1], [0, 1]])
+    >>> texttiling_scores(x, 2)
+    tensor([0.0000, 0.0000, 0.2929, 2.0000, 0.2929, 0.0000], dtype=torch.float64)
     """
     check_tensor("x", x, min_ndim=2, floating=True, finite=True, nonempty=True)
     width = check_int("width", width, minimum=1)
@@ -630,6 +684,12 @@ def texttiling(x: torch.Tensor, width: int, cutoff: float) -> torch.Tensor:
     (Hearst's liberal rule is ``cutoff = -0.5``); see :func:`texttiling_cut`.
 
     Returns BoolTensor [..., n], True where a segment starts.
+
+    Examples
+    --------
+    >>> x = torch.tensor([[1.0, 0], [1, 0], [1, 0], [0, 1], [0, 1], [0, 1]])
+    >>> texttiling(x, 2, 0.5)
+    tensor([False, False, False,  True, False, False])
     """
     return texttiling_cut(texttiling_scores(x, width), cutoff)
 
@@ -637,7 +697,13 @@ def texttiling(x: torch.Tensor, width: int, cutoff: float) -> torch.Tensor:
 def texttiling_cut(depth: torch.Tensor, cutoff: float) -> torch.Tensor:
     """Boundaries from depth scores [..., n] (index 0 unused): the gaps that are a local
     maximum (strictly above the left neighbour, at least the right one), positive, and
-    above ``mean + cutoff * std`` of the window's depth scores. BoolTensor [..., n]."""
+    above ``mean + cutoff * std`` of the window's depth scores. BoolTensor [..., n].
+
+    Examples
+    --------
+    >>> texttiling_cut(torch.tensor([0.0, 0.1, 0.9, 0.2, 0.1]), 0.5)
+    tensor([False, False,  True, False, False])
+    """
     cutoff = check_number("cutoff", cutoff)
     check_tensor("depth", depth, min_ndim=1, floating=True, nonempty=True)
     depth = depth[..., 1:]  # [..., n-1]
@@ -655,6 +721,11 @@ def random_boundaries(shape, rate: float, generator: torch.Generator | None = No
     """Independent boundaries: every gap (index >= 1) is one with probability ``rate``.
 
     ``shape`` is ``(..., n)``; returns BoolTensor of that shape (index 0 False).
+
+    Examples
+    --------
+    >>> random_boundaries((1, 6), 0.5, torch.Generator().manual_seed(0)).shape
+    torch.Size([1, 6])
     """
     rate = check_number("rate", rate, minimum=0.0, maximum=1.0)
     shape = tuple(int(s) for s in shape)
@@ -669,6 +740,11 @@ def even_boundaries(shape, spacing: float) -> torch.Tensor:
     """Evenly spaced boundaries at ``round(k * spacing)`` for k = 1, 2, ... below n.
 
     ``shape`` is ``(..., n)``; returns BoolTensor of that shape, the same row everywhere.
+
+    Examples
+    --------
+    >>> even_boundaries((1, 7), 2.5)  # round(2.5) = 2, round(5.0) = 5
+    tensor([[False, False,  True, False, False,  True, False]])
     """
     spacing = check_number("spacing", spacing, minimum=1.0)
     shape = tuple(int(s) for s in shape)

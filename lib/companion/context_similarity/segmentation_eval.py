@@ -62,11 +62,12 @@ SENTENCE_PUNCTUATION = re.compile(r"^[.!?;:]+$")
 
 # Tuning and prediction are loops of many small reductions (n steps of the dynamic
 # programme per call): on CPU every operation runs on this many intra-op threads, since
-# thread synchronisation costs them more than it gains (7x slower with 2 threads than with
-# 1 on a loaded 2-core machine). Their independent parts (the two families, TextTiling,
-# the chunks of stacked predictions) run side by side instead, on as many Python threads
-# as the caller's intra-op setting allows: each operation still runs on one thread, so
-# the numbers do not depend on the setting. The forward passes keep the caller's setting.
+# thread synchronisation costs them more than it gains (recorded in
+# benchmarks/bench_context_similarity.py). Their independent parts (the two families,
+# TextTiling, the chunks of stacked predictions) run side by side instead, on as many
+# Python threads as the caller's intra-op setting allows: each operation still runs on
+# one thread, so the numbers do not depend on the setting. The forward passes keep the
+# caller's setting.
 LOOP_THREADS = 1
 
 
@@ -212,6 +213,11 @@ def gold_boundaries(sentence_ids: torch.Tensor) -> torch.Tensor:
     ``sentence_ids`` [B, T] as in :class:`companion.corpora.Windows` (-1 at ``[CLS]`` and
     ``[SEP]``, which must be the first and last token). ``t`` is a start when token ``t``'s
     sentence differs from token ``t - 1``'s (the first content token never is).
+
+    Examples
+    --------
+    >>> gold_boundaries(torch.tensor([[-1, 0, 0, 1, 1, -1]]))  # 4 content tokens
+    tensor([[False, False,  True, False]])
     """
     if not isinstance(sentence_ids, torch.Tensor) or sentence_ids.dim() != 2:
         raise ValueError("sentence_ids: expected a 2-D tensor [B, T]")
@@ -233,6 +239,11 @@ def boundary_matches(gold, pred, tolerance: int = 0) -> tuple[int, int, int]:
     ``gold`` and ``pred`` are boolean vectors (or index lists); a predicted boundary is a
     true positive when it is matched one-to-one to a gold boundary at most ``tolerance``
     tokens away. On a line, the greedy left-to-right matching is a maximum matching.
+
+    Examples
+    --------
+    >>> boundary_matches([2, 5], [2, 4]), boundary_matches([2, 5], [2, 4], tolerance=1)
+    ((1, 1, 1), (2, 0, 0))
     """
     tolerance = check_int("tolerance", tolerance, minimum=0)
 
@@ -263,7 +274,13 @@ def boundary_matches(gold, pred, tolerance: int = 0) -> tuple[int, int, int]:
 
 
 def f1_score(tp, fp, fn):
-    """``2 tp / (2 tp + fp + fn)`` elementwise (1.0 where nothing is predicted or gold)."""
+    """``2 tp / (2 tp + fp + fn)`` elementwise (1.0 where nothing is predicted or gold).
+
+    Examples
+    --------
+    >>> f1_score([1, 0], [1, 0], [1, 0])  # the second: nothing predicted or gold
+    array([0.5, 1. ])
+    """
     tp, fp, fn = (np.asarray(v, dtype=np.float64) for v in (tp, fp, fn))
     den = 2 * tp + fp + fn
     return np.where(den > 0, 2 * tp / np.where(den > 0, den, 1.0), 1.0)
@@ -277,6 +294,13 @@ def _as_string(row) -> str:
 def pk_windowdiff(gold, pred, k: int) -> tuple[float, float]:
     """Pk and WindowDiff of one window from ``nltk.metrics.segmentation`` (not
     re-implemented): the gaps between the ``n`` tokens as a '0'/'1' string, window ``k``.
+
+    References
+    ----------
+    .. [1] D. Beeferman, A. Berger, J. Lafferty, "Statistical models for text
+       segmentation", Machine Learning 34, 1999: Pk.
+    .. [2] L. Pevzner, M. A. Hearst, "A critique and improvement of an evaluation metric
+       for text segmentation", Computational Linguistics 28(1), 2002: WindowDiff.
     """
     from nltk.metrics.segmentation import pk, windowdiff
 
@@ -291,7 +315,13 @@ def pk_windowdiff(gold, pred, k: int) -> tuple[float, float]:
 
 def pk_window(gold: torch.Tensor) -> int:
     """nltk's default Pk window over a set of windows: half the mean gold segment length,
-    ``round(gaps / (2 * boundaries))`` (at least 1)."""
+    ``round(gaps / (2 * boundaries))`` (at least 1).
+
+    Examples
+    --------
+    >>> pk_window(torch.tensor([[True, False, True, False, False, False]]))
+    1
+    """
     gaps = gold.shape[0] * (gold.shape[1] - 1)
     return max(1, int(round(gaps / (2.0 * max(int(gold.sum()), 1)))))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -189,6 +189,11 @@ def window_sum(name: str, shape: tuple = ("L", "H"), needs: str = "batch"):
         return fn
 
     return register
+
+
+def _tracked_names() -> tuple[str, ...]:
+    """The per-window sums of tracked tokens (``needs="tracked"``), as registered now."""
+    return tuple(s.name for s in STATISTICS.values() if s.needs == "tracked")
 
 
 # --------------------------------------------------------------------------- one batch
@@ -803,9 +808,10 @@ class SimilarityStats:
     pass.
 
     Per-window contributions (``per_window=True``), for intervals: every window's own
-    share of the ``[L, H]`` sums is kept as well (:meth:`window_sums`, names in
-    ``_WINDOW_SUMS``, leading dimension W in the order the windows were added), so that a
-    bootstrap over windows (:meth:`window_bootstrap`) can resample any ratio of sums. Besides
+    share of the ``[L, H]`` sums is kept as well (:meth:`window_sums`: the statistics
+    registered with a :func:`window_sum`, leading dimension W in the order the windows
+    were added), so that a bootstrap over windows (:meth:`window_bootstrap`) can resample
+    any ratio of sums. Besides
     the ``[L, H]`` sums above they hold ``n_masked`` (high pairs outside the attention
     region), ``distance_sum`` (sum of ``j - i``), ``short_range`` / ``long_range`` (high
     pairs with ``j - i <= SHORT_RANGE`` / ``> LONG_RANGE``; ``identical_long_range``: the
@@ -840,15 +846,6 @@ class SimilarityStats:
     per_window: bool = False
     device: str | torch.device = "cpu"
 
-    # every registered sum (name: (shape letters, dtype)), per-window sums (name: shape
-    # after the window axis W) and the per-window sums of tracked tokens, from STATISTICS
-    _SUMS: ClassVar[dict] = {s.name: (s.shape, s.dtype) for s in STATISTICS.values()
-                             if s.total is not None}
-    _WINDOW_SUMS: ClassVar[dict] = {s.name: s.window_shape for s in STATISTICS.values()
-                                    if s.window is not None and s.needs != "tracked"}
-    _TRACKED_SUMS: ClassVar[tuple] = tuple(s.name for s in STATISTICS.values()
-                                           if s.needs == "tracked")
-
     def __post_init__(self):
         for name in ("n_layers", "n_heads", "length", "vocab_size"):
             check_int(name, getattr(self, name), minimum=1)
@@ -870,11 +867,36 @@ class SimilarityStats:
         self._workspace = Workspace()  # buffers reused between batches (not statistics)
         self._windows: dict[str, list[torch.Tensor]] = {}  # per-window parts, by batch
         self._tracked: torch.Tensor | None = None
+        self._sums: dict[str, tuple] = {}  # name: (shape letters, dtype), allocated
+        self._registry: tuple = ()
+        self._registered()
+
+    def _registered(self) -> None:
+        """Take up the statistics registered since this object last looked.
+
+        :data:`STATISTICS` is read when it is used, not when the class is defined: a
+        statistic registered later, in any module, is summed by every
+        :class:`SimilarityStats` that has not added windows yet. One registered after
+        windows were added would miss them, so that is refused, naming it.
+        """
+        registry = tuple((s.name, s.needs, s.total is not None, s.window is not None)
+                         for s in STATISTICS.values())
+        if registry == self._registry:
+            return
+        if self._registry and (self._windows or int(self.n_windows.sum()) > 0):
+            new = sorted({entry[0] for entry in set(registry) - set(self._registry)})
+            raise RuntimeError(
+                f"statistics {new} were registered after this SimilarityStats added windows, "
+                "so their sums would miss them: register every statistic before the first "
+                "update (or start a new SimilarityStats)")
         dims = {"L": self.n_layers, "H": self.n_heads, "T": self.length,
                 "V": self.vocab_size, "S": len(self.separators)}
-        for name, (shape, dtype) in self._SUMS.items():
-            setattr(self, name, torch.zeros(tuple(dims[s] for s in shape), dtype=dtype,
-                                            device=self.device))
+        for stat in STATISTICS.values():
+            if stat.total is not None and stat.name not in self._sums:
+                setattr(self, stat.name, torch.zeros(tuple(dims[c] for c in stat.shape),
+                                                     dtype=stat.dtype, device=self.device))
+                self._sums[stat.name] = (stat.shape, stat.dtype)
+        self._registry = registry
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -890,8 +912,10 @@ class SimilarityStats:
             )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The summed statistics, by name."""
-        return {name: getattr(self, name) for name in self._SUMS}
+        """The summed statistics, by name: one per statistic registered in :data:`STATISTICS`
+        with a corpus sum (:func:`batch_sum`)."""
+        self._registered()
+        return {name: getattr(self, name) for name in self._sums}
 
     def copy(self) -> SimilarityStats:
         return self.to(self.device)
@@ -915,6 +939,7 @@ class SimilarityStats:
         otherwise the merged statistics track none.
         """
         self._check_compatible(other)
+        other._registered()
         for name, t in self.tensors().items():
             t += getattr(other, name).to(t.device)
         same_tracked = (self._tracked is not None and other._tracked is not None
@@ -922,7 +947,7 @@ class SimilarityStats:
         if not same_tracked:
             self._tracked = None
         for name in list(self._windows):
-            if name in self._TRACKED_SUMS and not same_tracked:
+            if name in _tracked_names() and not same_tracked:
                 del self._windows[name]
                 continue
             self._windows[name] = (self._windows[name]
@@ -940,7 +965,7 @@ class SimilarityStats:
             raise ValueError("token_ids: tracking tokens needs per_window=True")
         if token_ids is None:
             self._tracked = None
-            for name in self._TRACKED_SUMS:
+            for name in _tracked_names():
                 self._windows.pop(name, None)
             return self
         if (not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point()
@@ -959,6 +984,7 @@ class SimilarityStats:
         if not self.per_window:
             raise ValueError("stats: per-window contributions need per_window=True")
         self._need_data()
+        self._registered()
         out = {}
         for name, parts in self._windows.items():
             if len(parts) > 1:
@@ -1026,6 +1052,10 @@ class SimilarityStats:
     @classmethod
     def from_state_dict(cls, state: dict, device="cpu") -> SimilarityStats:
         new = cls(**state["config"], device=device)
+        missing = sorted(set(new.tensors()) - set(state["sums"]))
+        if missing:
+            raise ValueError(f"state: no sums for the registered statistics {missing} "
+                             "(saved before they were registered)")
         for name, t in state["sums"].items():
             getattr(new, name).copy_(t)
         new._windows = {name: [t.to(new.device)] for name, t in state.get("windows", {}).items()}
@@ -1120,6 +1150,7 @@ class SimilarityStats:
         :meth:`update` bit for bit. The parts may live in ``workspace``'s buffers: add
         them before that workspace computes the next batch's.
         """
+        self._registered()
         layers = self._validate(batch_result)
         batch = PairBatch(self, batch_result, layers,
                           self._workspace if workspace is None else workspace)
@@ -1149,6 +1180,7 @@ class SimilarityStats:
         if not isinstance(parts, BatchParts):
             raise TypeError(f"parts: expected BatchParts (SimilarityStats.batch_parts), got "
                             f"{type(parts).__name__}")
+        self._registered()
         for name, value in parts.totals:
             total = getattr(self, name)
             if isinstance(value, ScatterAdd):

@@ -80,6 +80,22 @@ def similarity_matrices(
     Complexity
     ----------
     One batched matrix product, O(B L H T^2 d) time (plus O(B L H T d^2) with a metric).
+
+    References
+    ----------
+    .. [1] Y. Halevi, Y. Tzach, R. Gross, I. Rosner, I. Kanter, "Self-attention vector
+       output similarities reveal how machines pay attention", Physica A 686 (2026)
+       131363, arXiv:2512.21956: context similarity as the dot products of a head's
+       output vectors (section not known here; the abstract and a secondary summary of
+       the paper)
+
+    Examples
+    --------
+    >>> outputs = torch.tensor([[[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]]])  # [B, L, H, T, d]
+    >>> similarity_matrices(outputs)[0, 0, 0]
+    tensor([[0., 0., 1.],
+            [0., 0., 1.],
+            [1., 1., 0.]])
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
         got = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
@@ -232,6 +248,20 @@ def top_pairs(
     ValueError
         Wrong shapes, ``valid`` not bool or on another device, ``k`` or ``segment`` below
         1, ``k`` above the ``T(T-1)/2`` pairs, or NaN / inf similarities among valid tokens.
+
+    References
+    ----------
+    .. [1] Y. Halevi, Y. Tzach, R. Gross, I. Rosner, I. Kanter, "Self-attention vector
+       output similarities reveal how machines pay attention", Physica A 686 (2026)
+       131363, arXiv:2512.21956: the high-similarity pairs, the top per cent of a head's
+       pairs (secondary summary of the paper)
+
+    Examples
+    --------
+    >>> outputs = torch.tensor([[[[[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]]]]])
+    >>> values, i, j = top_pairs(outputs, torch.ones(1, 3, dtype=torch.bool), 1)
+    >>> float(values), int(i), int(j)  # tokens 0 and 2: <(1, 0), (2, 0)> = 2
+    (2.0, 0, 2)
     """
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 5:
         got = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__

@@ -30,7 +30,14 @@ __all__ = [
 # ---------------------------------------------------------------------- power-law fit
 @dataclass(frozen=True)
 class PowerLawFit:
-    """``values ≈ prefactor * H ** exponent`` with bootstrap percentile intervals."""
+    """``values ≈ prefactor * H ** exponent`` with bootstrap percentile intervals.
+
+    Examples
+    --------
+    >>> fit = fit_power_law([1, 10, 100], [2.0, 0.2, 0.02], n_boot=20)
+    >>> round(fit.exponent, 6), fit.level
+    (-1.0, 0.95)
+    """
 
     prefactor: float
     exponent: float
@@ -62,6 +69,12 @@ def fit_power_law(H, values, *, n_boot: int = 2000, level: float = 0.95,
     Returns
     -------
     :class:`PowerLawFit`. Complexity O(n_boot k S).
+
+    Examples
+    --------
+    >>> fit = fit_power_law([1, 10, 100], [2.0, 0.2, 0.02], n_boot=20)
+    >>> round(fit.prefactor, 6), round(fit.exponent, 6)
+    (2.0, -1.0)
     """
     level = check_number("level", level, minimum=0.0, maximum=1.0, min_open=True,
                          max_open=True)
@@ -234,7 +247,7 @@ def _pairwise_distances(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     For ``d < 8`` NumPy sums the ``d`` squares of a row one after the other (its pairwise
     summation starts blocks of 8 only from 8 terms), so the squares are added here in that
     order one coordinate at a time, on ``[n, m]`` planes instead of an ``[n, m, d]``
-    array: about 6x faster at n = 200, d = 3, the same numbers.
+    array (no ``[n, m, d]`` temporary and no per-row reduction), the same numbers.
     """
     d = x.shape[-1]
     if d >= 8:
@@ -264,6 +277,15 @@ def w2_sphere(x: torch.Tensor, y: torch.Tensor, cost: str = "geodesic") -> torch
     Tensor of shape ``[...]`` on ``x``'s device (the assignment itself is solved on CPU
     in float64, the batch shared among ``torch.get_num_threads()`` worker threads).
     Complexity O(batch n^3).
+
+    Examples
+    --------
+    The distance is between empirical measures: the order of the points does not matter.
+
+    >>> from companion.gradient_flow.simulation import uniform_sphere
+    >>> x = uniform_sphere(4, 3, torch.Generator().manual_seed(0))
+    >>> float(w2_sphere(x, x.flip(0)))
+    0.0
     """
     from scipy.optimize import linear_sum_assignment
 
@@ -336,6 +358,11 @@ def lipschitz_constant(weights: torch.Tensor) -> torch.Tensor:
     ``L = (1/H) sum_h lambda_h (2 + 3 lambda_h)``.
 
     weights ``[..., H, d, d]`` -> ``[...]``.
+
+    Examples
+    --------
+    >>> lipschitz_constant(torch.zeros(1, 2, 3, 3))  # zero weights: a zero field
+    tensor([0.])
     """
     lam = spectral_norms(weights)
     return (lam * (2 + 3 * lam)).mean(-1)
@@ -348,6 +375,11 @@ def weight_sensitivity(weights: torch.Tensor) -> torch.Tensor:
 
     (``|D a - D' a'| <= |D - D'| + lambda |a - a'|`` and the softmax mean moves by at most
     ``sqrt(Var logits) <= |D - D'|``.) weights ``[..., H, d, d]`` -> ``[...]``.
+
+    Examples
+    --------
+    >>> weight_sensitivity(torch.zeros(1, 2, 3, 3))
+    tensor([1.])
     """
     return (1 + spectral_norms(weights)).mean(-1)
 
@@ -358,6 +390,13 @@ def gronwall_bound(times, lipschitz, initial_distance, forcing=None) -> torch.Te
     ``times [R]``, ``lipschitz [R, ...]`` (L at each record), ``initial_distance [...]``,
     ``forcing [R, ...]`` or None (the term ``K |D - D'|``). Integrals by the trapezoid
     rule on the record grid. Returns ``[R, ...]``.
+
+    Examples
+    --------
+    With ``L = 1`` and no forcing the bound is ``e^t e(0)``:
+
+    >>> gronwall_bound(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]), 1.0)
+    tensor([1.0000, 2.7183])
     """
     times = torch.as_tensor(times)
     L = torch.as_tensor(lipschitz)
@@ -387,7 +426,13 @@ def gronwall_bound(times, lipschitz, initial_distance, forcing=None) -> torch.Te
 
 
 def pairwise_inner_stats(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Min and mean of ``<x_i, x_j>`` over pairs ``i != j`` for tokens ``[..., n, d]``."""
+    """Min and mean of ``<x_i, x_j>`` over pairs ``i != j`` for tokens ``[..., n, d]``.
+
+    Examples
+    --------
+    >>> pairwise_inner_stats(torch.eye(3))  # orthogonal tokens
+    {'min': tensor(0.), 'mean': tensor(0.)}
+    """
     check_tensor("tokens", tokens, min_ndim=2, floating=True, shape_text="[..., n, d]")
     if tokens.shape[-2] < 2:
         raise ValueError(

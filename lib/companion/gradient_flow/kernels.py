@@ -41,12 +41,10 @@ class KernelTuning:
     ----------
     block_elements : int or None
         Exponentials per block of the symmetric kernel. None: ``2**18`` on CPU (a block
-        of float64 exponentials is 2 MiB and stays in a core's L2 with its moments; at
-        n = 200, H = 100, 10 paths on a 2 MiB-L2 Intel Xeon, the kernel with ``exp``,
-        medians of 5 interleaved runs: 55.8 ms per step at 1 thread, against 58.5 with
-        ``2**17``, 60.5 with ``2**19`` and 75.2 with ``2**16``; at 2 threads 43.0, against
-        45.0, 40.2 and 59.4, with overlapping ranges), ``2**25`` elsewhere (one block per group of
-        paths: few, large kernel launches). The block size sets the order of the sums,
+        of float64 exponentials is 2 MiB and stays in a core's L2 with its moments; the
+        block sizes measured against each other are in
+        ``benchmarks/bench_gradient_flow.py``), ``2**25`` elsewhere (one block per group
+        of paths: few, large kernel launches). The block size sets the order of the sums,
         so trajectories agree between sizes to rounding, not bit for bit.
     shifted_chunk_elements : int
         Logits per row chunk of the max-shifted path.
@@ -371,7 +369,7 @@ def _path_workers(device: torch.device):
     tensor operations on one intra-op thread meanwhile (restored afterwards).
 
     A step is many small kernels: with several intra-op threads each one synchronises the
-    threads, which on a loaded 2-core machine made a step 20x slower than on one thread.
+    threads, which costs more than the kernel (``benchmarks/bench_gradient_flow.py``).
     The caller's thread count is spent instead on independent paths, one thread each.
     """
     if device.type != "cpu":
@@ -518,8 +516,9 @@ def _step(tokens, weights, sign, drift, sigma, noise, scratch: _Scratch | None,
         return mats.permute(0, 3, 2, 1).reshape(P, d, d * H)
 
     def contract(mats_t, moments):  # [P, n, k]: sum_(b, h) moments_ibh M_h[b, :] per path
-        # the matrices as the left operand: [k, d H] @ [d H, n] ran 2.5x faster than
-        # [n, d H] @ [d H, k] for k = 3, 9 (MKL, float64)
+        # the matrices as the left operand: [k, d H] @ [d H, n] keeps the long
+        # dimension n as the GEMM's output columns, the shape MKL runs fastest for
+        # small k (benchmarks/bench_gradient_flow.py)
         return torch.matmul(mats_t, moments.reshape(P, n, d * H).transpose(1, 2)) \
             .transpose(1, 2).contiguous()
 
@@ -578,6 +577,23 @@ def velocity(tokens: torch.Tensor, weights: torch.Tensor, sign: int = -1) -> tor
     ``+1`` the GLPR clustering dynamics.
 
     Complexity: ``O(paths heads n^2 d)`` time, no ``n x n`` matrix stored on CPU.
+
+    References
+    ----------
+    .. [1] A. Massucco, D. Del Grande, M. Carioni, C. Brune, C.-B. Schönlieb, "Multi-
+       Headed Transformer Architectures as Time-dependent Wasserstein Gradient Flows",
+       arXiv:2605.18870, Eq. (5): the token dynamics of the multi-head model (numbered
+       per the authors' code README).
+
+    Examples
+    --------
+    The field is tangent to the sphere:
+
+    >>> from companion.gradient_flow.simulation import initial_weights, uniform_sphere
+    >>> x = uniform_sphere(4, 3, torch.Generator().manual_seed(0), paths=1)
+    >>> v = velocity(x, initial_weights(2, 3, torch.Generator().manual_seed(1)))
+    >>> v.shape, bool((v * x).sum(-1).abs().max() < 1e-12)
+    (torch.Size([1, 4, 3]), True)
     """
     return step_quantities(tokens, weights, sign=sign)["velocity"]
 

@@ -29,7 +29,13 @@ __all__ = [
 
 
 def format_members(members) -> str:
-    """Compact label for a class: ``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    """Compact label for a class: ``(0, 1, 2, 5)`` -> ``"0-2,5"``.
+
+    Examples
+    --------
+    >>> format_members((0, 1, 2, 5, 7, 8))
+    '0-2,5,7-8'
+    """
     members = sorted(members)
     parts, start, prev = [], None, None
     for m in members:
@@ -47,7 +53,13 @@ def format_members(members) -> str:
 
 def hasse_layout(graph: nx.DiGraph, *, key=None) -> dict:
     """Layered top-down layout: sources at the top, each node one row below its lowest
-    cover, nodes in a row ordered by ``key(node)`` (default: smallest member)."""
+    cover, nodes in a row ordered by ``key(node)`` (default: smallest member).
+
+    Examples
+    --------
+    >>> hasse_layout(nx.DiGraph([(0, 1), (0, 2)]))
+    {0: (0.0, 0), 1: (-0.5, -1), 2: (0.5, -1)}
+    """
     if not isinstance(graph, nx.DiGraph):
         raise TypeError(f"graph: expected a networkx.DiGraph, got {describe(graph)}")
     if key is None:
@@ -186,9 +198,20 @@ def fit_hasse_axes(ax, pos: dict, node_size: float, *, gap: float = 0.6) -> None
     ax.set_ylim(float(top - height), float(top))
 
 
+def _check_axes(function: str, ax, drawn: str) -> None:
+    """Drawing functions take the axes first, as matplotlib's helpers do."""
+    if hasattr(ax, "figure") and hasattr(ax, "imshow"):
+        return
+    hint = ""
+    if isinstance(ax, (nx.Graph, torch.Tensor)):
+        hint = (f" (the axes come first: {function}(ax, {drawn}, ...); "
+                f"{function}({drawn}, ax) was the older order)")
+    raise TypeError(f"ax: expected a matplotlib Axes, got {describe(ax)}{hint}")
+
+
 def draw_hasse(
-    graph: nx.DiGraph,
     ax,
+    graph: nx.DiGraph,
     *,
     pos=None,
     labels=None,
@@ -197,7 +220,8 @@ def draw_hasse(
     font_size=8,
     connectionstyle="arc3",
 ):
-    """Draw a Hasse diagram on ``ax`` (arrows = information flow, top to bottom).
+    """Draw a Hasse diagram on ``ax`` (arrows = information flow, top to bottom); the axes
+    come first, as in :func:`draw_mask` and matplotlib's own helpers.
 
     ``pos``: node -> (x, y), default :func:`ranked_layout`. ``labels``: node -> text
     (default: compact member ranges, :func:`format_members`). ``node_size``: marker area
@@ -211,10 +235,11 @@ def draw_hasse(
     >>> matplotlib.use("Agg")
     >>> import matplotlib.pyplot as plt
     >>> fig, ax = plt.subplots()
-    >>> sorted(draw_hasse(nx.DiGraph([(0, 1), (0, 2)]), ax).items())
+    >>> sorted(draw_hasse(ax, nx.DiGraph([(0, 1), (0, 2)])).items())
     [(0, (0.0, 0)), (1, (-0.5, -1)), (2, (0.5, -1))]
     >>> plt.close(fig)
     """
+    _check_axes("draw_hasse", ax, "graph")
     if not isinstance(graph, nx.DiGraph):
         raise TypeError(f"graph: expected a networkx.DiGraph, got {describe(graph)}")
     pos = ranked_layout(graph) if pos is None else pos
@@ -249,7 +274,19 @@ def draw_mask(ax, mask: torch.Tensor, title: str | None = None, *, cmap="Blues",
     Dark = allowed (``True``). Positions are numbered from 0; for ``n <= 24`` every
     position gets a tick and every second one (every one for ``n <= 10``) a label, at
     ``font_size`` points. Returns ``ax``.
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> from companion.hasse.masks import causal
+    >>> fig, ax = plt.subplots()
+    >>> draw_mask(ax, causal(3), "causal") is ax
+    True
+    >>> plt.close(fig)
     """
+    _check_axes("draw_mask", ax, "mask")
     validate_mask(mask)
     m = mask.detach().cpu().to(torch.float32).numpy()
     ax.imshow(m, cmap=cmap, vmin=0, vmax=1.25, interpolation="nearest")
@@ -305,6 +342,7 @@ def draw_reach_layers(ax, mask: torch.Tensor, *, max_layer: int | None = None,
     """
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
+    _check_axes("draw_reach_layers", ax, "mask")
     validate_mask(mask)
     first = first_reach_layer(mask)
     deepest = int(first.max())

@@ -47,7 +47,6 @@ __all__ = [
     "causal_mask_mod",
     "chain",
     "chain_mask_mod",
-    "dense_from_mask_mod",
     "mask_mod",
     "materialise",
     "or_masks",
@@ -73,6 +72,11 @@ def validate_mask(mask, name: str = "mask") -> torch.Tensor:
         If ``mask`` is not a tensor or not of dtype ``torch.bool``.
     ValueError
         If ``mask`` is not square 2-D, has no rows or is on the meta device (no values).
+
+    Examples
+    --------
+    >>> validate_mask(causal(2)).dtype
+    torch.bool
     """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name}: expected a square 2-D bool tensor, got {describe(mask)}")
@@ -105,17 +109,35 @@ def _named(mod: MaskMod, name: str) -> MaskMod:
 
 
 def causal_mask_mod(b, h, q_idx, kv_idx):
-    """Causal: query ``q`` attends keys ``k <= q`` (itself included)."""
+    """Causal: query ``q`` attends keys ``k <= q`` (itself included).
+
+    Examples
+    --------
+    >>> materialise(causal_mask_mod, 3).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
     return kv_idx <= q_idx
 
 
 def chain_mask_mod(b, h, q_idx, kv_idx):
-    """Chain: query ``q`` attends only its predecessor ``q - 1`` (row 0 is empty)."""
+    """Chain: query ``q`` attends only its predecessor ``q - 1`` (row 0 is empty).
+
+    Examples
+    --------
+    >>> materialise(chain_mask_mod, 3).int().tolist()
+    [[0, 0, 0], [1, 0, 0], [0, 1, 0]]
+    """
     return kv_idx == q_idx - 1
 
 
 def bidirectional_mask_mod(b, h, q_idx, kv_idx):
-    """Full (encoder) attention: every query attends every key."""
+    """Full (encoder) attention: every query attends every key.
+
+    Examples
+    --------
+    >>> materialise(bidirectional_mask_mod, 2).int().tolist()
+    [[1, 1], [1, 1]]
+    """
     return (q_idx >= 0) & (kv_idx >= 0)
 
 
@@ -134,7 +156,13 @@ def sliding_window_mask_mod(width: int) -> MaskMod:
 
 
 def block_causal_mask_mod(block: int) -> MaskMod:
-    """Block-causal: query ``q`` attends keys with ``k // block <= q // block``."""
+    """Block-causal: query ``q`` attends keys with ``k // block <= q // block``.
+
+    Examples
+    --------
+    >>> materialise(block_causal_mask_mod(2), 4).int().tolist()
+    [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    """
     check_int("block", block, 1)
 
     def block_causal_mod(b, h, q_idx, kv_idx):
@@ -144,7 +172,13 @@ def block_causal_mask_mod(block: int) -> MaskMod:
 
 
 def prefix_lm_mask_mod(prefix: int) -> MaskMod:
-    """Prefix-LM: keys ``k < prefix`` are visible to every query; after that, causal."""
+    """Prefix-LM: keys ``k < prefix`` are visible to every query; after that, causal.
+
+    Examples
+    --------
+    >>> materialise(prefix_lm_mask_mod(2), 4).int().tolist()
+    [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    """
     check_int("prefix", prefix, 0)
 
     def prefix_lm_mod(b, h, q_idx, kv_idx):
@@ -158,6 +192,12 @@ def block_two_stream_mask_mod(n: int, block: int) -> MaskMod:
 
     Content rows are block-causal; the mask token for token ``t`` attends the content of
     earlier blocks and every mask token of its own block, never its own block's content.
+
+    Examples
+    --------
+    >>> mod = block_two_stream_mask_mod(4, 2)  # content 0-1, mask tokens 2-5
+    >>> mod.__name__, materialise(mod, 6)[4].int().tolist()
+    ('block_two_stream_4_2', [1, 1, 0, 0, 1, 1])
     """
     check_int("n", n, 1)
     check_int("block", block, 1)
@@ -183,6 +223,12 @@ def butterfly_mask_mod(n: int) -> MaskMod:
     position of token ``j`` attends backward positions of tokens ``>= j``; the prediction
     position of token ``k`` attends itself, the forward positions of tokens ``< k`` and
     the backward positions of tokens ``> k``.
+
+    Examples
+    --------
+    >>> mod = butterfly_mask_mod(3)
+    >>> mod.__name__, torch.equal(materialise(mod, 7), butterfly_mask(3))
+    ('butterfly_3', True)
     """
     check_int("n", n, 2)
     f_end, b_end = n - 1, 2 * n - 2
@@ -249,6 +295,12 @@ def mask_mod(mask: torch.Tensor) -> MaskMod:
 
     The returned ``mask_mod(b, h, q_idx, kv_idx)`` reads ``mask[q_idx, kv_idx]``; it
     ignores batch and head. The mask must be on the device where the block mask is built.
+
+    Examples
+    --------
+    >>> mod = mask_mod(causal(5))
+    >>> mod.__name__, torch.equal(materialise(mod, 5), causal(5))
+    ('dense_5', True)
     """
     validate_mask(mask)
 
@@ -330,10 +382,6 @@ def materialise(mod: MaskMod, size: int, *, device=None) -> torch.Tensor:
     return torch.broadcast_to(out.to(torch.bool), (size, size)).contiguous()
 
 
-#: The older name of :func:`materialise`.
-dense_from_mask_mod = materialise
-
-
 # ------------------------------------------------------------------- dense builders
 def causal(n: int, *, device=None) -> torch.Tensor:
     """Causal mask (:func:`causal_mask_mod`) as an ``(n, n)`` bool tensor.
@@ -353,6 +401,11 @@ def sliding_window(n: int, width: int, *, device=None) -> torch.Tensor:
     ``M[q, k] = 0 <= q - k < width``. With residual connections the stack of ``L`` layers
     sees ``L (width - 1)`` positions back, so the limit is the causal mask, reached after
     ``ceil((n - 1) / (width - 1))`` layers (for ``width >= 2``).
+
+    Examples
+    --------
+    >>> sliding_window(4, 2).int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     """
     check_int("n", n, 1)
     return materialise(sliding_window_mask_mod(width), n, device=device)
@@ -362,6 +415,11 @@ def block_causal(n: int, block: int, *, device=None) -> torch.Tensor:
     """Block-causal mask (:func:`block_causal_mask_mod`) as an ``(n, n)`` bool tensor.
 
     Blocks are ``[0, block), [block, 2 block), ...``; the last may be shorter.
+
+    Examples
+    --------
+    >>> block_causal(4, 2).int().tolist()
+    [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
     """
     check_int("n", n, 1)
     return materialise(block_causal_mask_mod(block), n, device=device)
@@ -373,6 +431,11 @@ def chain(n: int, *, device=None) -> torch.Tensor:
     The diagonal is empty (row 0 is empty too): the residual supplies ``q -> q``. This is
     the worst case for depth: information from position 0 needs ``n - 1`` layers to reach
     position ``n - 1``.
+
+    Examples
+    --------
+    >>> chain(3).int().tolist()
+    [[0, 0, 0], [1, 0, 0], [0, 1, 0]]
     """
     check_int("n", n, 1)
     return materialise(chain_mask_mod, n, device=device)
@@ -382,6 +445,11 @@ def prefix_lm(n: int, prefix: int, *, device=None) -> torch.Tensor:
     """Prefix-LM mask (:func:`prefix_lm_mask_mod`) as an ``(n, n)`` bool tensor.
 
     ``M[q, k] = (k < prefix) or (k <= q)``, for ``0 <= prefix <= n``.
+
+    Examples
+    --------
+    >>> prefix_lm(4, 2).int().tolist()
+    [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     """
     check_int("n", n, 1)
     check_int("prefix", prefix, 0)
@@ -391,7 +459,13 @@ def prefix_lm(n: int, prefix: int, *, device=None) -> torch.Tensor:
 
 
 def bidirectional(n: int, *, device=None) -> torch.Tensor:
-    """Full (encoder) mask (:func:`bidirectional_mask_mod`) as an ``(n, n)`` bool tensor."""
+    """Full (encoder) mask (:func:`bidirectional_mask_mod`) as an ``(n, n)`` bool tensor.
+
+    Examples
+    --------
+    >>> bidirectional(2).int().tolist()
+    [[1, 1], [1, 1]]
+    """
     check_int("n", n, 1)
     return materialise(bidirectional_mask_mod, n, device=device)
 
@@ -404,6 +478,12 @@ def random_mask(
     The diagonal is False (the residual supplies self edges). Rows are drawn in chunks so
     that ``n = 8192`` needs no ``n x n`` float buffer. A ``generator`` must live on
     ``device`` (CPU by default).
+
+    Examples
+    --------
+    >>> mask = random_mask(6, 0.5, generator=torch.Generator().manual_seed(0))
+    >>> mask.shape, bool(mask.diagonal().any())
+    (torch.Size([6, 6]), False)
     """
     check_int("n", n, 1)
     p = check_number("p", p, minimum=0.0, maximum=1.0, expected="a probability in [0, 1]")
@@ -468,6 +548,11 @@ class TwoStreamMasks(NamedTuple):
     - ``joint``: both streams as one ``(2n, 2n)`` mask over positions
       ``[content_0..content_{n-1}, query_0..query_{n-1}]``; queries never attend queries
       (each query keeps its own state through the residual), contents never attend queries.
+
+    Examples
+    --------
+    >>> xlnet_two_stream([1, 0])._fields
+    ('content', 'query', 'joint')
     """
 
     content: torch.Tensor
@@ -482,6 +567,12 @@ def xlnet_two_stream(order: Sequence[int] | torch.Tensor, *, device=None) -> Two
     ``t``. With ``rank[z[t]] = t``, the content stream of token ``i`` sees tokens with
     ``rank[j] <= rank[i]`` (itself included) and the query stream of token ``i`` sees
     contents with ``rank[j] < rank[i]`` (never its own token) :cite:`yang2019xlnet`.
+
+    Examples
+    --------
+    >>> masks = xlnet_two_stream([2, 0, 1])  # factorisation order 2, 0, 1
+    >>> masks.content.int().tolist(), masks.query.int().tolist()
+    ([[1, 0, 1], [1, 1, 1], [0, 0, 1]], [[0, 0, 1], [1, 0, 1], [0, 0, 0]])
     """
     device = check_device("device", device)
     try:
@@ -520,6 +611,11 @@ def block_two_stream_mask(n: int, block: int, *, device=None) -> torch.Tensor:
       (``c = n - len(last block)``: the last block's content is never read by any
       prediction, so the minimal merged task drops it);
     - mask-token positions ``c .. c+n-1``: position ``c + t`` predicts token ``t``.
+
+    Examples
+    --------
+    >>> block_two_stream_mask(4, 2).shape  # 2 content positions, 4 mask tokens
+    torch.Size([6, 6])
     """
     check_int("n", n, 1)
     check_int("block", block, 1)
@@ -534,6 +630,11 @@ def butterfly_layout(n: int) -> dict[str, range]:
     - ``backward``: ``n - 1`` positions carrying tokens ``1 .. n-1`` (anti-causal chain);
     - ``predict``: ``n`` positions, the ``k``-th predicts token ``k`` from an aggregate of
       its neighbours' tokens.
+
+    Examples
+    --------
+    >>> butterfly_layout(3)
+    {'forward': range(0, 2), 'backward': range(2, 4), 'predict': range(4, 7)}
     """
     check_int("n", n, 2)
     return {
@@ -549,6 +650,11 @@ def butterfly_mask(n: int, *, device=None) -> torch.Tensor:
 
     Its Hasse diagram is two chains running in opposite directions joined at the
     prediction nodes: a butterfly.
+
+    Examples
+    --------
+    >>> butterfly_mask(3).shape  # 3 n - 2 positions
+    torch.Size([7, 7])
     """
     check_int("n", n, 2)
     return materialise(butterfly_mask_mod(n), 3 * n - 2, device=device)

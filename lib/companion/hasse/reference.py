@@ -42,7 +42,12 @@ def layer_adjacency(mask: torch.Tensor) -> torch.Tensor:
 
 
 def boolean_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``(X Y)[q, k] = OR over j of (X[q, j] AND Y[j, k])``, by the definition."""
+    """``(X Y)[q, k] = OR over j of (X[q, j] AND Y[j, k])``, by the definition.
+
+    >>> step = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    >>> boolean_product(step, step).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
     n = x.shape[0]
     out = torch.zeros(n, n, dtype=torch.bool)
     for q in range(n):
@@ -74,6 +79,12 @@ def reachability_limit(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     >>> R, depth = reachability_limit(chain)
     >>> R.int().tolist(), depth
     ([[1, 0, 0], [1, 1, 0], [1, 1, 1]], 2)
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: the limit ``R = lim A^L``
+       (the section is not known here: the abstract and a secondary summary).
     """
     adj = layer_adjacency(mask)
     power, layers = torch.eye(adj.shape[0], dtype=torch.bool), 0
@@ -112,6 +123,13 @@ def hasse_diagram(mask: torch.Tensor) -> nx.DiGraph:
 
     >>> sorted(hasse_diagram(torch.tensor([[0, 0], [1, 0]], dtype=torch.bool)).edges)
     [(0, 1)]
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951: the Hasse diagram of the
+       partial order on the classes of ``R`` (the section is not known here: the
+       abstract and a secondary summary).
     """
     R, _ = reachability_limit(mask)
     found = classes(R)

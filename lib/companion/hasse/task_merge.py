@@ -88,7 +88,14 @@ __all__ = [
 @dataclass(frozen=True, eq=False)
 class Task:
     """A training task: ``inputs[p]`` (sorted token tuple), ``targets[p]`` (token or None)
-    and the ``(P, P)`` bool ``mask``. ``name`` is for display only."""
+    and the ``(P, P)`` bool ``mask``. ``name`` is for display only.
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import causal
+    >>> Task(((0,), (1,)), (None, 2), causal(2), "toy").n_positions
+    2
+    """
 
     inputs: tuple
     targets: tuple
@@ -172,6 +179,12 @@ def hasse_diagram(task: Task) -> nx.DiGraph:
 
     Node attributes: ``members`` (positions), ``inputs`` and ``targets`` (tuples aligned
     with ``members``).
+
+    Examples
+    --------
+    >>> task = autoregressive_family(3)[1]  # tokens 0, 1 predict token 2
+    >>> sorted(hasse_diagram(task).nodes(data="inputs")), sorted(hasse_diagram(task).edges)
+    ([(0, ((0,),)), (1, ((1,),))], [(0, 1)])
     """
     _check_task(task)
     graph = RR.hasse_diagram(task.mask.cpu())
@@ -187,6 +200,19 @@ def node_signatures(tasks: Sequence[Task]) -> tuple[list[nx.DiGraph], list[dict[
 
     Signatures are integers shared across ``tasks``: equal integers = equivalent nodes.
     Complexity: ``O(sum of diagram sizes)`` dictionary operations.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951, Definition 3.5: node
+       equivalence (equal input multisets, isomorphic upstream structures) (numbered by
+       a secondary summary of the paper).
+
+    Examples
+    --------
+    >>> _, signatures = node_signatures(autoregressive_family(2))
+    >>> signatures  # position 0 of both tasks: one signature
+    [{0: 0}, {0: 0, 1: 1}]
     """
     tasks = _task_list(tasks)
     table: dict = {}
@@ -208,6 +234,17 @@ def node_equivalence(tasks: Sequence[Task]) -> dict[tuple[int, int], int]:
 
     Returns a dict ``(task index, node) -> class id``; class ids count up in order of
     first appearance (tasks in order, nodes in each diagram's node order).
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951, Definition 3.5: node
+       equivalence (numbered by a secondary summary of the paper).
+
+    Examples
+    --------
+    >>> node_equivalence(autoregressive_family(2))
+    {(0, 0): 0, (1, 0): 0, (1, 1): 1}
     """
     _, sigs = node_signatures(tasks)
     renumber: dict[int, int] = {}
@@ -242,6 +279,22 @@ def minimal_merge(tasks: Sequence[Task], *, sparse: bool = False, name: str = ""
     ------
     ValueError
         If two equivalent positions carry different targets.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951, Theorem 3.7: the minimal
+       merged task; Definition 3.8: its sparse variant (numbered by a secondary summary
+       of the paper).
+
+    Examples
+    --------
+    Causal attention is the minimal merge of the autoregressive family:
+
+    >>> from companion.hasse.masks import causal
+    >>> merged = minimal_merge(autoregressive_family(3))
+    >>> merged.targets, torch.equal(merged.mask, causal(3))
+    ((1, 2, 3), True)
     """
     sparse = check_bool("sparse", sparse)
     tasks = _task_list(tasks)
@@ -406,7 +459,15 @@ def diagram_embedding(task: Task, merged: Task) -> dict[int, int] | None:
 
 
 class MergeCheck(NamedTuple):
-    """What :func:`merge_check` finds; ``minimal`` says whether all of it holds."""
+    """What :func:`merge_check` finds; ``minimal`` says whether all of it holds.
+
+    Examples
+    --------
+    >>> family = autoregressive_family(3)
+    >>> check = merge_check(family, minimal_merge(family))
+    >>> check.merged_nodes, check.family_classes, check.minimal
+    (3, 3, True)
+    """
 
     embeds: tuple  # per task: its diagram embeds in the merged one (diagram_embedding)
     merged_nodes: int  # nodes of the merged Hasse diagram
@@ -462,6 +523,18 @@ def autoregressive_family(n: int) -> list[Task]:
     so ``T_k``'s diagram is a chain and position ``j`` has the same upstream structure in
     every task that contains it. Token indices run to ``n``: the merged task has ``n``
     positions predicting tokens ``1..n`` (the usual next-token layout).
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951, the autoregressive family,
+       whose minimal merge is causal attention (section not known here; a secondary
+       summary of the paper).
+
+    Examples
+    --------
+    >>> [(task.inputs, task.targets) for task in autoregressive_family(2)]
+    [(((0,),), (1,)), (((0,), (1,)), (None, 2))]
     """
     n = check_int("n", n, 1)
     return [
@@ -516,6 +589,19 @@ def block_generation_family(n: int, block: int) -> list[Task]:
     itself and earlier blocks) followed by one mask token (inputs ``()``) per token of
     block ``k``, predicting it; mask tokens attend all content and each other (full
     connectivity inside the block), so they form one class. ``T_0`` has no content.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951, block-wise generation, whose
+       minimal merge is block two-stream attention (section not known here; a secondary
+       summary of the paper).
+
+    Examples
+    --------
+    >>> family = block_generation_family(4, 2)
+    >>> len(family), family[0].inputs, family[0].targets  # block 0: two mask tokens
+    (2, ((), ()), (0, 1))
     """
     n = check_int("n", n, 1)
     block = check_int("block", block, 1)
@@ -552,6 +638,19 @@ def bidirectional_family(n: int) -> list[Task]:
     ``(k-1, k+1)`` (never token ``k``), attending every context position. **Choice**:
     the context is two chains rather than one bidirectional class, so that prefixes and
     suffixes are shared across tasks.
+
+    References
+    ----------
+    .. [1] C. Li and H. Guo, "Hasse Diagrams for Attention: A Partial Order Framework
+       for Designing Transformer Masks", arXiv:2606.09951, the bidirectional family,
+       whose minimal merge is butterfly attention (section not known here; a secondary
+       summary of the paper).
+
+    Examples
+    --------
+    >>> task = bidirectional_family(3)[0]  # token 0 from the aggregate of its neighbours
+    >>> task.inputs, task.targets
+    (((1,), (2,), (1,)), (None, None, 0))
     """
     n = check_int("n", n, 2)
     tasks = []
@@ -580,6 +679,12 @@ def block_two_stream(n: int, block: int) -> Task:
     tokens of blocks ``0..K-2`` in token order, then ``n`` mask-token positions, the
     ``t``-th predicting token ``t``. The last block's content is absent: no prediction
     reads it, so the minimal merge drops it (the common ``2n`` layout appends it).
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import block_two_stream_mask
+    >>> torch.equal(block_two_stream(4, 2).mask, block_two_stream_mask(4, 2))
+    True
     """
     merged = minimal_merge(block_generation_family(n, block), name="block two-stream")
     content = sorted(
@@ -599,6 +704,13 @@ def butterfly(n: int) -> Task:
     ``0..n-2``), backward chain (tokens ``1..n-1``), then ``n`` prediction positions, the
     ``k``-th predicting token ``k`` from the aggregate ``(k-1, k+1)`` and seeing every
     other token. Supervision density 1.0 and no self-leakage.
+
+    Examples
+    --------
+    >>> from companion.hasse.masks import butterfly_mask
+    >>> task = butterfly(3)
+    >>> torch.equal(task.mask, butterfly_mask(3)), supervision_density(task), self_leakage(task)
+    (True, 1.0, ())
     """
     merged = minimal_merge(bidirectional_family(n), name="butterfly")
     seen = tokens_visible(merged)
@@ -621,7 +733,14 @@ def masked_language_model(
     """BERT-style masked LM on ``n`` tokens: ``round(rate * n)`` positions (at least one)
     chosen at random get a mask token (inputs ``()``) and predict their token; the mask is
     bidirectional. (The 80/10/10 replacement rule is left out: it does not change which
-    tokens are supervised.)"""
+    tokens are supervised.)
+
+    Examples
+    --------
+    >>> task = masked_language_model(6, 0.5, generator=torch.Generator().manual_seed(0))
+    >>> sum(target is not None for target in task.targets), supervision_density(task)
+    (3, 0.5)
+    """
     n = check_int("n", n, 1)
     rate = check_number("rate", rate, minimum=0.0, maximum=1.0, min_open=True,
                         expected="a fraction in (0, 1]")
@@ -639,7 +758,13 @@ def leaky_bidirectional(n: int) -> Task:
     """Counter-example: every position carries and predicts its own token, and the mask
     is bidirectional with an empty diagonal. The residual connection carries each
     position's own input to its output, so an empty diagonal stops nothing: every
-    position leaks, at every depth."""
+    position leaks, at every depth.
+
+    Examples
+    --------
+    >>> self_leakage(leaky_bidirectional(3))
+    (0, 1, 2)
+    """
     n = check_int("n", n, 2)
     mask = M.bidirectional(n) & ~torch.eye(n, dtype=torch.bool)
     return Task(tuple((p,) for p in range(n)), tuple(range(n)), mask, "zero-diagonal BERT")
@@ -648,7 +773,14 @@ def leaky_bidirectional(n: int) -> Task:
 # ---------------------------------------------------------------------- metrics
 def tokens_visible(task: Task, layers: int | None = None) -> list[set[int]]:
     """Tokens each position can read: through the limit ``R`` (``layers=None``) or
-    through ``A^layers``."""
+    through ``A^layers``.
+
+    Examples
+    --------
+    >>> task = autoregressive_family(3)[2]
+    >>> [sorted(tokens) for tokens in tokens_visible(task)]
+    [[0], [0, 1], [0, 1, 2]]
+    """
     _check_task(task)
     if layers is not None:
         layers = check_int("layers", layers, minimum=0)
@@ -659,7 +791,13 @@ def tokens_visible(task: Task, layers: int | None = None) -> list[set[int]]:
 
 def supervision_density(task: Task) -> float:
     """Fraction of the task's tokens (all indices in ``inputs`` or ``targets``) that are
-    some position's target."""
+    some position's target.
+
+    Examples
+    --------
+    >>> supervision_density(autoregressive_family(3)[2])  # target 3 of tokens 0-3
+    0.25
+    """
     _check_task(task)
     tokens = {t for inp in task.inputs for t in inp} | {t for t in task.targets if t is not None}
     if not tokens:

@@ -9,9 +9,8 @@ dropout for the same mask: its ``noise = bernoulli(1 - p) / (1 - p)`` in ``x``'s
 then ``x * noise``.
 
 Only the mask's random source differs. Torch's CPU ``bernoulli_`` draws every element
-from its Mersenne Twister one at a time: about 15 ns per element on the 2-core Xeon of our
-CI (a ``[32, 64, 128]`` float32 activation in 3.4 ms, the 2-layer LRA model's seven
-dropouts about 10 ms of a 40 ms ListOps training step). Here one 64-bit PCG64 draw gives
+from its Mersenne Twister one at a time, a large share of a small model's training step
+(``benchmarks/bench_dropout.py`` measures both). Here one 64-bit PCG64 draw gives
 two 32-bit integers ``u`` and an element is kept when ``u >= round(p 2^32)``: a keep
 probability within ``2^-33`` of ``1 - p`` (torch's float uniform resolves ``2^-24``),
 all elements independent. PCG64 is seeded by one 63-bit draw from torch's generator (the

@@ -415,7 +415,13 @@ def bootstrap(stat, arrays: dict, *, reps: int = 1000, seed: int = 0,
 
 
 def spearman(x, y) -> float:
-    """Spearman rank correlation (average ranks for ties); NaN when a side is constant."""
+    """Spearman rank correlation (average ranks for ties); NaN when a side is constant.
+
+    Examples
+    --------
+    >>> spearman([1, 2, 3], [10, 30, 20])
+    0.5
+    """
     from scipy.stats import rankdata
 
     rx, ry = rankdata(np.asarray(x, float)), rankdata(np.asarray(y, float))

@@ -72,13 +72,24 @@ def vocabulary(*, brackets: bool = True) -> dict[str, int]:
 
     ``len(vocabulary(brackets=b)) + 2`` is the embedding size a model needs
     (17 with brackets kept; 16 for the released LRA tokenisation, tfds' ``vocab_size``).
+
+    Examples
+    --------
+    >>> len(vocabulary()), vocab_size()  # padding and OOV ids besides the 15 tokens
+    (15, 17)
     """
     tokens = VOCAB_BRACKETS if brackets else VOCAB_LRA
     return {tok: i + 1 for i, tok in enumerate(tokens)}
 
 
 def vocab_size(*, brackets: bool = True) -> int:
-    """Number of ids used by :func:`encode`: padding + vocabulary + one OOV id."""
+    """Number of ids used by :func:`encode`: padding + vocabulary + one OOV id.
+
+    Examples
+    --------
+    >>> vocab_size(), vocab_size(brackets=False)
+    (17, 16)
+    """
     return len(VOCAB_BRACKETS if brackets else VOCAB_LRA) + 2
 
 
@@ -166,6 +177,20 @@ def generate(
     ----------
     Expected O(n * T * R) where T is the mean tree size and R the mean number of draws
     per accepted expression (a few for the LRA settings).
+
+    References
+    ----------
+    .. [1] N. Nangia, S. R. Bowman, "ListOps: A Diagnostic Dataset for Latent Tree
+       Learning", NAACL SRW 2018, arXiv:1804.06028: the task.
+    .. [2] Y. Tay, M. Dehghani, S. Abnar, Y. Shen, D. Bahri, P. Pham, J. Rao, L. Yang,
+       S. Ruder, D. Metzler, "Long Range Arena: A Benchmark for Efficient Transformers",
+       ICLR 2021, arXiv:2011.04006: its ListOps settings.
+
+    Examples
+    --------
+    >>> pairs = generate(2, seed=0, min_length=5, max_length=40)
+    >>> [evaluate(source) == value for source, value in pairs]
+    [True, True]
     """
     for name, val in (("n", n), ("seed", seed), ("min_length", min_length),
                       ("max_length", max_length), ("max_depth", max_depth),
@@ -220,6 +245,11 @@ def evaluate(source: str) -> int:
     Complexity
     ----------
     O(L log L) for a string with L tokens (sorting for medians).
+
+    Examples
+    --------
+    >>> evaluate("[MAX 2 9 [MIN 4 7 ] 0 ]")
+    9
     """
     if not isinstance(source, str):
         raise TypeError(f"source: expected a str, got {type(source).__name__}")
@@ -280,6 +310,13 @@ def tokenize(source: str, *, brackets: bool = True) -> list[str]:
 
     ``brackets=False`` reproduces the released LRA pipeline (tfds ``Tokenizer``:
     split on ``\\W+``, keep alphanumeric pieces only).
+
+    Examples
+    --------
+    >>> tokenize("[MAX 2 [MIN 4 7 ] ]")
+    ['[MAX', '2', '[MIN', '4', '7', ']', ']']
+    >>> tokenize("[MAX 2 [MIN 4 7 ] ]", brackets=False)
+    ['MAX', '2', 'MIN', '4', '7']
     """
     if not isinstance(source, str):
         raise TypeError(f"source: expected a str, got {type(source).__name__}")
@@ -301,6 +338,11 @@ def encode(
     -------
     torch.Tensor
         int64 tensor of shape ``[len(sources), max_length]`` on ``device`` (CPU if None).
+
+    Examples
+    --------
+    >>> encode(["[MAX 2 9 ]"], max_length=6)
+    tensor([[ 2,  8, 15,  5,  0,  0]])
     """
     max_length = check_int("max_length", max_length, minimum=1)
     sources = check_str_sequence("sources", sources)
@@ -321,7 +363,14 @@ def dataset(
     brackets: bool = True,
     device: str | torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [n, max_length] int64, targets [n] int64)`` from :func:`generate`'s list."""
+    """``(tokens [n, max_length] int64, targets [n] int64)`` from :func:`generate`'s list.
+
+    Examples
+    --------
+    >>> tokens, targets = dataset([("[MAX 2 9 ]", 9), ("[MIN 4 7 ]", 4)], max_length=8)
+    >>> tokens.shape, targets.tolist()
+    (torch.Size([2, 8]), [9, 4])
+    """
     tokens = encode([s for s, _ in pairs], max_length=max_length, brackets=brackets,
                     device=device)
     targets = torch.tensor([t for _, t in pairs], dtype=torch.long, device=tokens.device)
@@ -329,7 +378,13 @@ def dataset(
 
 
 def depth(source: str) -> int:
-    """Nesting depth of an expression (a digit has depth 0), from its brackets."""
+    """Nesting depth of an expression (a digit has depth 0), from its brackets.
+
+    Examples
+    --------
+    >>> depth("[MAX 2 9 [MIN 4 7 ] 0 ]"), depth("3")
+    (2, 0)
+    """
     deepest = level = 0
     for tok in tokenize(source, brackets=True):
         if tok in OPERATORS:

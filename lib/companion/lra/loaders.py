@@ -74,6 +74,11 @@ def cifar_to_grey(rgb: np.ndarray) -> np.ndarray:
     """``[n, 3072]`` CIFAR rows (R plane, G plane, B plane) -> ``[n, 1024]`` grey 0..255.
 
     Matches ``tf.image.rgb_to_grayscale`` on uint8 input as LRA uses it.
+
+    Examples
+    --------
+    >>> cifar_to_grey(np.full((1, 3072), 255, dtype=np.uint8)).shape
+    (1, 1024)
     """
     rgb = np.asarray(rgb)
     if rgb.ndim != 2 or rgb.shape[1] != 3072:
@@ -107,7 +112,14 @@ def load_cifar10_grey(root: str | Path, *, split: str = "train"):
 
 
 def bytes_to_ids(texts, *, max_length: int) -> torch.Tensor:
-    """UTF-8 byte ids (byte + 1; 0 = padding), truncated to ``max_length``."""
+    """UTF-8 byte ids (byte + 1; 0 = padding), truncated to ``max_length``.
+
+    Examples
+    --------
+    >>> bytes_to_ids(["hi", "é"], max_length=3)  # é is two UTF-8 bytes
+    tensor([[105, 106,   0],
+            [196, 170,   0]])
+    """
     max_length = check_int("max_length", max_length, minimum=1)
     texts = check_str_sequence("texts", texts)
     out = torch.zeros(len(texts), max_length, dtype=torch.long)

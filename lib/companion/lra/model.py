@@ -10,7 +10,7 @@ mean pooling over the non-padding positions and a classifier
 ``Linear(dim, ffn) -> ReLU -> Linear(ffn, classes)``. Defaults: 2 layers, 2 heads, head
 size 32, dim 64, FFN 128, dropout 0.1, k = 128 clusters. Dropout is
 :class:`companion.lra.dropout.Dropout`: torch's numbers, with its CPU masks drawn from
-PCG64 (about twice as fast as torch's here: benchmarks/bench_dropout.py; same law).
+PCG64 (faster than torch's: benchmarks/bench_dropout.py measures it; same law).
 
 The attention of every block is either
 
@@ -245,6 +245,11 @@ def attention_flops(num_edges: float, head_dim: int) -> float:
     Per edge: the score ``<q_i, k_j>`` (``d`` MACs) and the weighted value sum
     (``d`` MACs), i.e. ``4 d`` FLOPs; the softmax's exp/sum/divide are ``O(1)`` per edge
     and not counted. Dense attention is the complete graph, ``n * m`` edges.
+
+    Examples
+    --------
+    >>> attention_flops(1000, 32)  # scores and weighted sum: 2 * 32 MACs per edge, 2 FLOPs each
+    128000.0
     """
     num_edges = check_number("num_edges", num_edges, minimum=0.0)
     head_dim = check_int("head_dim", head_dim, minimum=1)
@@ -252,7 +257,13 @@ def attention_flops(num_edges: float, head_dim: int) -> float:
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Number of trainable parameters."""
+    """Number of trainable parameters.
+
+    Examples
+    --------
+    >>> count_parameters(torch.nn.Linear(3, 2))
+    8
+    """
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

@@ -264,6 +264,15 @@ def generate(
     ----------
     O(n * P * w^2) for P paddles per image and w the paddle window side, with a
     constant factor for rejected headings; a few ms per 32 x 32 image in numpy.
+
+    References
+    ----------
+    .. [1] D. Linsley, J. Kim, V. Veerabadran, C. Windolf, T. Serre, "Learning long-
+       range spatial dependencies with horizontal gated recurrent units", NeurIPS 2018,
+       arXiv:1805.08315: the Pathfinder task.
+    .. [2] Y. Tay, M. Dehghani, S. Abnar, Y. Shen, D. Bahri, P. Pham, J. Rao, L. Yang,
+       S. Ruder, D. Metzler, "Long Range Arena: A Benchmark for Efficient Transformers",
+       ICLR 2021, arXiv:2011.04006: Pathfinder as a sequence task.
     """
     for name, val in (("n", n), ("seed", seed), ("size", size),
                       ("contour_length", contour_length)):
@@ -340,6 +349,11 @@ def to_sequences(images: torch.Tensor, levels: int = 256) -> torch.Tensor:
     intensity is quantised to ``ceil(v (L - 1) / 255)``: 0 stays 0 (background) and
     ``(0, 1]`` is cut into ``L - 1`` equal bins (vocabulary ``L``); e.g. ``L = 3``
     separates ink up to half intensity from brighter ink.
+
+    Examples
+    --------
+    >>> to_sequences(torch.tensor([[[0.0, 1.0], [0.5, 1.0]]]))
+    tensor([[  0, 255, 128, 255]])
     """
     levels = check_int("levels", levels, minimum=2, maximum=256)
     check_tensor("images", images, ndim=3, finite=True, nonempty=True, shape_text="[n, H, W]")
@@ -364,6 +378,11 @@ def best_threshold_accuracy(feature: torch.Tensor, labels: torch.Tensor) -> floa
     image statistic does not give the Pathfinder label away.
 
     Complexity: ``O(n log n)`` (one sort).
+
+    Examples
+    --------
+    >>> best_threshold_accuracy(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([0, 0, 1, 1]))
+    1.0
     """
     check_tensor("feature", feature, finite=True)
     check_tensor("labels", labels)

@@ -17,11 +17,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from companion._validate import check_int, check_tensor
-from companion.sbm.graph_attention import repeat_each, stable_argsort
+# the key draws and the Poisson counts live in modules of their own; their private names
+# stay importable from here (the tests read them from companion.sbm.fastrg)
+from companion.sbm.key_draws import (  # noqa: F401
+    _cdf_table, _draw_keys, _KeyTable, _rejection_draw, _rejection_draw_numpy,
+    _rejection_draw_torch, _search_rows)
+from companion.sbm.poisson import (  # noqa: F401
+    _INVERSION_BLOCK, _INVERSION_MAX_RATE, _invert_block, _poisson_by_inversion, _RandomSource)
+from companion.sbm.tensor_ops import repeat_each, stable_argsort, transposed_copy
 
 __all__ = ["fastrg_sample", "poisson_pair_counts", "edge_probabilities", "FastRGTuning",
            "DUPLICATE_POLICIES", "use_pair_grid"]
@@ -31,17 +37,6 @@ KEY_DRAWS = ("auto", "rejection", "search")
 CPU_UNIFORM_SOURCES = ("numpy", "torch")
 CELL_GRIDS = ("auto", "clusters", "keys")
 CPU_POISSON_SOURCES = ("inversion", "torch")
-# rates above this get numpy's own Poisson sampler (transformed rejection) instead of
-# inversion, whose number of passes grows with the rate
-_INVERSION_MAX_RATE = 16.0
-# rows per tile of transposed_copy
-_TRANSPOSE_TILE = 128
-# rates per block of the inversion (:func:`_poisson_by_inversion`): its uniforms (512 KiB
-# of float64) and its passes' arrays within a core's L2 cache
-_INVERSION_BLOCK = 1 << 16
-# count dtypes the inversion writes directly (others are converted from int64)
-_NUMPY_COUNT_DTYPES = {torch.int64: np.int64, torch.float32: np.float32,
-                       torch.float64: np.float64}
 
 
 @dataclass(frozen=True)
@@ -68,7 +63,8 @@ class FastRGTuning:
         The ``"auto"`` threshold (default 1/8).
     cpu_uniforms : ``"numpy"`` (default) or ``"torch"``
         On CPU, uniforms and index compaction from numpy's PCG64 (seeded by the torch
-        generator; several times faster) or from torch's generator and kernels (the path
+        generator; faster than torch's CPU generator, ``benchmarks/bench_sbm.py``) or
+        from torch's generator and kernels (the path
         CUDA always takes).
     cpu_poisson : ``"inversion"`` (default) or ``"torch"``
         With ``cpu_uniforms="numpy"``: the Poisson counts by inversion of PCG64 uniforms
@@ -88,6 +84,11 @@ class FastRGTuning:
         The ``"auto"`` bound on the pairs of the batch (default ``2**20``).
     key_grid_pairs_per_edge : float >= 0
         The ``"auto"`` bound on pairs per expected edge (default 8: density >= 1/8).
+
+    Examples
+    --------
+    >>> FastRGTuning(cell_grid="keys").key_draw  # one field changed, the rest default
+    'auto'
     """
 
     table_block_entries: int = 1 << 22
@@ -148,11 +149,18 @@ def edge_probabilities(
     >>> p = edge_probabilities(torch.ones(3, 2), torch.full((2, 2), 0.25), torch.ones(4, 2))
     >>> p.shape, float(p[0, 0])
     (torch.Size([3, 4]), 1.0)
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the edge probabilities ``P = Qhat S Khat^T`` of the
+       stochastic block model (section not known here: the abstract and the authors'
+       code).
     """
     qm, sg, km, batch_shape = _groups(q_membership, s, k_membership)
     p = (qm @ sg) @ km.transpose(-1, -2)
     return p.reshape(*batch_shape, qm.shape[1], km.shape[1])
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,6 +262,15 @@ def fastrg_sample(
     >>> group, query, key = fastrg_sample(qm, s, km, torch.Generator().manual_seed(0))
     >>> bool((query[1:] >= query[:-1]).all()), int(key.max()) < 7
     (True, True)
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, each head's graph sampled from its stochastic block model
+       by fastRG (section not known here: the abstract and the authors' code).
+    .. [2] K. Rohe, J. Tao, X. Han, N. Binkiewicz, "A note on quickly sampling a sparse
+       matrix with low rank expectation", JMLR 19 (2018): fastRG.
     """
     _check_options(duplicates, self_loops, generator, tuning)
     qm, sg, km, _, q_times_s = _checked_groups(q_membership, s, k_membership, q_times_s)
@@ -421,41 +438,6 @@ def use_pair_grid(q_times_s: torch.Tensor, k_membership: torch.Tensor,
         return _use_key_grid(qs, km.sum(1, dtype=torch.float64), pairs, tuning)
 
 
-def transposed_copy(x: torch.Tensor) -> torch.Tensor:
-    """``x.transpose(1, 2).contiguous()`` of a 3-D tensor, as a new tensor without grad.
-
-    On CPU (float32 / float64) by numpy's strided copy: at [64, 100, 32] on one thread
-    74 against 110 us for torch's transposing copy (this 2-core machine, load 2.7); the
-    same numbers (a copy). Past 128 rows, in tiles of 128 rows (a tenth of the time of
-    one sweep at [2, 8192, 128]). For the GEMMs' second operands, which ran about twice as fast
-    contiguous as transposed. Always a copy, never a view of ``x`` (``.contiguous()``
-    returns ``x`` itself when a size-1 dimension makes the transpose contiguous). Tensors
-    numpy cannot read (negative or conjugate views) and traced or compiled calls take
-    torch's copy.
-
-    >>> x = torch.arange(6.0).reshape(1, 2, 3)
-    >>> torch.equal(transposed_copy(x), x.transpose(1, 2).contiguous())
-    True
-    >>> y = torch.zeros(3, 1, 5)
-    >>> transposed_copy(y).data_ptr() != y.data_ptr()
-    True
-    """
-    x = x.detach()
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() \
-            and not (x.is_neg() or x.is_conj() or torch.jit.is_tracing()
-                     or torch.compiler.is_compiling()):
-        a = x.numpy()
-        rows = a.shape[1]
-        # tiles of rows (one tile up to 128 rows): a long column written in one sweep
-        # touches a new page per element; a tile's columns are short ([2, 8192, 128]
-        # float32 in 1.5 against 15 ms here)
-        out = np.empty((a.shape[0], a.shape[2], rows), dtype=a.dtype)
-        for r0 in range(0, rows, _TRANSPOSE_TILE):
-            out[:, :, r0:r0 + _TRANSPOSE_TILE] = a[:, r0:r0 + _TRANSPOSE_TILE].transpose(0, 2, 1)
-        return torch.from_numpy(out)
-    return x.transpose(1, 2).clone(memory_format=torch.contiguous_format)
-
-
 def _use_key_grid(q_times_s: torch.Tensor, k_mass: torch.Tensor, pairs: int,
                   tuning: FastRGTuning) -> bool:
     """Whether to count edges per (query, key) pair (see ``FastRGTuning.cell_grid``)."""
@@ -492,8 +474,8 @@ def _key_grid_blocks(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSo
 def _finite_sum(p: torch.Tensor) -> bool:
     """Whether the float64 sum of the 1-D ``p`` is finite.  For float32 (or narrower)
     entries that is whether every entry is (fewer than ``2**800`` of them cannot overflow
-    a float64 sum), decided by one min/max pass (both NaN if any entry is): about a
-    third of the time of the float64 sum here.  Wider entries are summed.
+    a float64 sum), decided by one min/max pass (both NaN if any entry is), which reads
+    the entries as they are, where the float64 sum widens each.  Wider entries are summed.
 
     >>> _finite_sum(torch.tensor([1.0, 2.0])), _finite_sum(torch.tensor([1.0, -math.inf]))
     (True, False)
@@ -537,94 +519,6 @@ def _cell_owners(counts: torch.Tensor, num_groups: int, n: int):
     return group, query
 
 
-def _draw_keys(km: torch.Tensor, counts: torch.Tensor, n: int, draws: _RandomSource,
-               tuning: FastRGTuning) -> torch.Tensor:
-    """The key of every edge, ``j ~ Khat[:, b] / colsum_b(Khat)`` for its cell's ``b``.
-
-    Groups are taken in blocks (``tuning.table_block_entries`` bounds the key tables of a
-    block, :class:`_KeyTable`), and the edges of a block in steps of cells holding about
-    ``tuning.draw_block`` edges (bounded scratch)."""
-    num_groups, m, kc = km.shape
-    ends = torch.cumsum(counts, 0)  # edges of cell c are ends[c] - counts[c] .. ends[c]
-    key = torch.empty(int(ends[-1]), dtype=torch.int64, device=km.device)
-    cells_per_group = n * kc
-    groups_per_block = max(1, tuning.table_block_entries // (m * kc))
-    cells_per_step = max(kc, tuning.draw_block * counts.numel() // max(key.numel(), 1))
-    for g0 in range(0, num_groups, groups_per_block):
-        g1 = min(g0 + groups_per_block, num_groups)
-        first, stop = g0 * cells_per_group, g1 * cells_per_group
-        if int(ends[stop - 1]) == int(ends[first] - counts[first]):
-            continue  # no edge in this block: no table to build
-        table = _KeyTable(km[g0:g1], n, tuning)
-        for c0 in range(first, stop, cells_per_step):
-            c1 = min(c0 + cells_per_step, stop)
-            e0, e1 = int(ends[c0] - counts[c0]), int(ends[c1 - 1])
-            if e1 > e0:
-                base = repeat_each(table.cell_base[c0 - first:c1 - first], counts[c0:c1],
-                                   e1 - e0)
-                key[e0:e1] = table.draw(base, draws)
-    return key
-
-
-class _KeyTable:
-    """What the key draws of one block of groups read: for rejection, the acceptance
-    probabilities ``Khat_jb / max_j Khat_jb`` (float64: the coin is compared exactly;
-    clusters without mass get 0, they are never asked for); for search, the inverse-CDF
-    table of :func:`_cdf_table`.  ``cell_base[c]`` is the offset of table row
-    ``(group - g0) k + b`` of cell ``c = (group, query, b)`` of the block.
-
-    ``tuning.key_draw == "auto"`` takes rejection unless some key cluster of the block
-    accepts fewer than ``tuning.min_acceptance`` of the proposals (mean / max)."""
-
-    def __init__(self, km_block: torch.Tensor, n: int, tuning: FastRGTuning):
-        groups, m, kc = km_block.shape
-        device = km_block.device
-        # a view of k_membership whenever the block holds one group (the size-1 dim lets
-        # reshape skip the copy): read only. Several groups: the contiguous copy reshape
-        # would make, by transposed_copy (the same numbers, in a tenth of the time at
-        # [2, 8192, 128])
-        if groups == 1:
-            weights = km_block.transpose(1, 2).reshape(kc, m)
-        else:
-            weights = transposed_copy(km_block).reshape(groups * kc, m)
-        row_max = weights.amax(1).to(torch.float64)
-        used = row_max > 0
-        # the float64 weights (a new copy unless they are float64 already: then possibly
-        # the caller's k_membership itself, never written), which the table is made of
-        weights64 = weights.to(torch.float64)
-        if tuning.key_draw == "auto":
-            # row sums of the float64 copy where it is contiguous: the numbers of
-            # ``weights.sum(1, dtype=float64)`` (test), in a third of the time here
-            total = (weights64 if weights.is_contiguous() else weights).sum(1, dtype=torch.float64)
-            acceptance = (total[used] / m) / row_max[used]
-            search = bool(acceptance.numel()) and bool(acceptance.min() < tuning.min_acceptance)
-        else:
-            search = tuning.key_draw == "search"
-        self.width = m
-        self.accept = self.cdf = self.last = None
-        if search:
-            self.cdf, self.last = _cdf_table(weights64)
-        else:
-            scale = torch.where(used, row_max, 1.0)[:, None]
-            if weights.dtype == torch.float64:  # out of place: see weights64
-                self.accept = torch.div(weights64, scale).reshape(-1)
-            else:  # in place on the new float64 copy: one [rows, m] buffer fewer
-                self.accept = weights64.div_(scale).reshape(-1)
-        rows = torch.arange(groups, device=device)[:, None, None] * kc
-        rows = (rows + torch.arange(kc, device=device)) * m
-        # int32 where every offset fits: half the memory (one entry per cell, and per edge
-        # once repeated), the same numbers
-        if groups * kc * m < 2**31:
-            rows = rows.to(torch.int32)
-        self.cell_base = rows.expand(groups, n, kc).reshape(-1)
-
-    def draw(self, base: torch.Tensor, draws: _RandomSource) -> torch.Tensor:
-        """One key per entry of ``base`` (a ``cell_base`` entry per edge)."""
-        if self.accept is not None:
-            return _rejection_draw(self.accept, self.width, base, draws)
-        return _search_rows(self.cdf, self.last, base, draws)
-
-
 def _merge_duplicates(group, query, key, num_groups, n, m):
     """One copy of every drawn pair, sorted by ``(group, query, key)`` (radix sort)."""
     if group.numel() <= 1:
@@ -634,157 +528,6 @@ def _merge_duplicates(group, query, key, num_groups, n, m):
     key = code % m
     code = torch.div(code, m, rounding_mode="floor")
     return torch.div(code, n, rounding_mode="floor"), code % n, key
-
-
-
-class _RandomSource:
-    """Uniforms, Poisson counts and index compaction for the sampler, on one device.
-
-    On CPU with ``cpu_uniforms="numpy"`` (the default of :class:`FastRGTuning`) the
-    uniforms come from numpy's PCG64, seeded by one 63-bit draw from the caller's
-    ``torch.Generator`` (or torch's global one), so a graph stays reproducible from the
-    torch seed; here numpy's generator is about three times faster than torch's CPU
-    Mersenne Twister, and ``np.flatnonzero`` about nine times faster than
-    ``torch.nonzero``, the two costs that dominated the key draws.  The Poisson counts
-    then come by inversion of the same stream (:func:`_poisson_by_inversion`) unless
-    ``cpu_poisson="torch"``.  Otherwise (CUDA, or ``cpu_uniforms="torch"``) torch's own
-    generator and kernels are used.
-    """
-
-    def __init__(self, device: torch.device, generator: torch.Generator | None,
-                 cpu_uniforms: str, cpu_poisson: str = "inversion"):
-        self.device, self.generator = device, generator
-        self.rng = None
-        if device.type == "cpu" and cpu_uniforms == "numpy":
-            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
-            self.rng = np.random.Generator(np.random.PCG64(seed))
-        self.inversion = self.rng is not None and cpu_poisson == "inversion"
-
-    def uniform(self, size: int) -> torch.Tensor:
-        """``size`` float64 uniforms in ``[0, 1)``."""
-        if self.rng is not None:
-            return torch.from_numpy(self.rng.random(size))
-        return torch.rand(size, generator=self.generator, device=self.device, dtype=torch.float64)
-
-    def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
-        """Indices of the true entries of a 1-D bool tensor, as int64."""
-        if self.rng is not None:
-            return torch.from_numpy(np.flatnonzero(mask.numpy()))
-        return torch.nonzero(mask).squeeze(1)
-
-    def poisson(self, rates: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """Independent ``Poisson(rates)`` counts for a 1-D float32 or float64 tensor (the
-        rates taken as float64 numbers: float32 ones give the counts of their exact float64
-        copy), as int64 or as numbers of the floating ``dtype`` (the same counts, rounded as
-        a conversion from int64 would round them)."""
-        if self.inversion:
-            # float32 / float64 written directly; other dtypes converted from int64
-            np_dtype = _NUMPY_COUNT_DTYPES.get(dtype, np.int64)
-            counts = torch.from_numpy(_poisson_by_inversion(rates.numpy(), self.rng, np_dtype))
-            return counts.to(dtype)
-        return torch.poisson(rates.to(torch.float64), generator=self.generator).to(dtype)
-
-
-def _poisson_by_inversion(rates: np.ndarray, rng: np.random.Generator,
-                          dtype=np.int64, block: int = _INVERSION_BLOCK) -> np.ndarray:
-    """Independent ``Poisson(rates)`` counts from one PCG64 uniform per rate.
-
-    Inversion: the count is the least ``c`` with ``u < F(c) = sum_{i <= c} e^{-r}
-    r^i / i!``, found by subtracting the terms from ``u`` one pass at a time.  ``e^{-r}
-    >= 1 - r`` decides most zero counts of small rates without an exponential (``u < 1 -
-    r``).  The first pass runs over every remaining rate (most of them have a count of at
-    least one), the later ones over the rates still undecided.  Rates above 16 (many
-    passes) take numpy's own sampler instead, after all the uniforms, so the stream stays
-    in a fixed order.  Exact up to float64 rounding of ``F`` (about ``1e-16`` in
-    probability).
-
-    The rates are taken ``block`` at a time (:func:`_invert_block`): the same uniforms
-    in the same order and the same arithmetic per rate, so the counts do not depend on
-    ``block``, but the dozen passes of a block over its rates, uniforms and partial sums
-    stay in a core's cache.  At 2**16 (512 KiB of uniforms), on a 2 MiB-L2 Xeon: 640,000
-    float32 rates near 0.25 (the ci model's pair grid) in 3.4 against 4.0 ms, 2**20
-    exponential rates of mean 1.6 (fastRG's cells at n = 4096, 5 %, have mean 1.6) in
-    19 against 32 ms.
-
-    Parameters
-    ----------
-    rates : 1-D float64, or float32 (read as their exact float64 values: the counts of
-        ``rates.astype(np.float64)`` bit for bit, without that copy).
-    rng : the PCG64 generator the uniforms come from.
-    dtype : of the counts (int64, or a float dtype that holds them as numbers).
-    block : rates per block, at least 1.
-
-    >>> rng = np.random.Generator(np.random.PCG64(0))
-    >>> _poisson_by_inversion(np.array([0.0, 0.5, 40.0]), rng).dtype
-    dtype('int64')
-    """
-    block = check_int("block", block, minimum=1)
-    counts = np.empty(rates.size, dtype)
-    u = np.empty(min(block, rates.size))
-    large = []
-    for start in range(0, rates.size, block):
-        stop = min(start + block, rates.size)
-        uniforms = u[:stop - start]
-        rng.random(out=uniforms)
-        found = _invert_block(rates[start:stop], uniforms, counts[start:stop])
-        if found is not None:
-            large.append(found + start)
-    if large:
-        where = np.concatenate(large)  # in index order, as one pass over all rates gave
-        counts[where] = rng.poisson(rates[where])
-    return counts
-
-
-def _invert_block(rates: np.ndarray, u: np.ndarray, counts: np.ndarray):
-    """:func:`_poisson_by_inversion` on one block: writes ``counts`` (a view of the
-    block's counts) from the block's uniforms ``u`` (consumed), except at rates above
-    16, whose positions in the block it returns (None if there is none)."""
-    # u < 1 - r <= e^{-r}: count 0; 1 - r in float64 for float32 rates too (of their
-    # exact float64 copies: a plain cast and an in-place subtract, about three times
-    # faster here than numpy's mixed-dtype subtract)
-    if rates.dtype == np.float64:
-        one_minus = np.subtract(1.0, rates)
-    else:
-        one_minus = rates.astype(np.float64)
-        np.subtract(1.0, one_minus, out=one_minus)
-    candidate = np.greater_equal(u, one_minus)
-    del one_minus
-    live = np.flatnonzero(candidate)
-    # pass 1 below writes the count 1 of every candidate whose u >= F(0); most are (at
-    # r = 0.25, 88 %), so every candidate starts at 1 and the others are set back to 0
-    counts[...] = candidate
-    del candidate
-    r = rates.take(live).astype(np.float64, copy=False)
-    # every rate above the limit is a candidate (1 - r < 0 <= u), so the candidates'
-    # maximum decides whether there is one (a quarter of the rates at r = 0.25, not all)
-    large = None
-    if r.size and not r.max() <= _INVERSION_MAX_RATE:
-        is_large = r > _INVERSION_MAX_RATE
-        large = live[is_large]
-        small = np.flatnonzero(~is_large)
-        live, r = live.take(small), r.take(small)
-    term = np.exp(-r)
-    rest = u.take(live)
-    rest -= term  # u - F(0)
-    # pass 1 over every candidate: counts >= 1 where u >= F(0), else 0 (the large rates'
-    # 1 is overwritten by their own sampler)
-    counts[live.take(np.flatnonzero(rest < 0))] = 0
-    passes = 1
-    term *= r
-    rest -= term  # u - F(1)
-    while live.size:
-        keep = np.flatnonzero(rest >= 0)  # u >= F(c): the count is above c
-        # take with indices: several times faster than four boolean-mask selections
-        live, r, term, rest = live.take(keep), r.take(keep), term.take(keep), rest.take(keep)
-        passes += 1
-        counts[live] = passes
-        # guards a u in the last rounding gap below the float64 F(inf)
-        if passes > 16 * _INVERSION_MAX_RATE:
-            break
-        term *= r
-        term /= passes
-        rest -= term
-    return large
 
 
 def _append_self_loops(group, query, key, num_groups, n):
@@ -798,123 +541,6 @@ def _append_self_loops(group, query, key, num_groups, n):
     query = torch.cat([query, loops % n])[order]
     key = torch.cat([key, loops % n])[order]
     return group, query, key
-
-
-def _cdf_table(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF table of the rows of ``weights`` ``[rows, W]`` (float64): the CDF of
-    row ``r`` offset by ``r`` and flattened into one sorted array, so that one
-    ``searchsorted`` serves all rows, and the last column with positive mass per row.
-    Rows with zero total are never requested (no edge uses them) and get a uniform CDF
-    to keep the array sorted."""
-    num_rows, width = weights.shape
-    weights = weights.to(torch.float64)
-    total = weights.sum(1, keepdim=True)
-    empty = total <= 0
-    probs = torch.where(empty, 1.0 / width, weights / torch.where(empty, 1.0, total))
-    del total, empty
-    # last column with positive mass: guards against r + u rounding up to r + 1
-    last = width - 1 - (probs > 0).flip(1).to(torch.int8).argmax(1)
-    cdf = probs.cumsum_(1).clamp_(max=1.0)
-    cdf[:, -1] = 1.0
-    cdf += torch.arange(num_rows, device=weights.device, dtype=torch.float64)[:, None]
-    return cdf.reshape(-1), last
-
-
-def _search_rows(
-    table: torch.Tensor, last: torch.Tensor, base: torch.Tensor, draws: _RandomSource
-) -> torch.Tensor:
-    """Draw one column per entry of ``base`` (``row * width``) from the table of
-    :func:`_cdf_table`.
-
-    On CPU the draws are searched in sorted order (numpy narrows each search from the
-    previous one, so the table is walked once) and the answers put back in draw order:
-    several times faster here than torch's random-order search.
-    """
-    width = table.numel() // last.numel()
-    row = torch.div(base, width, rounding_mode="floor")
-    u = draws.uniform(row.numel())
-    u += row
-    if row.device.type == "cpu" and u.numel() > 1:
-        values = u.numpy()
-        order = np.argsort(values)
-        col = torch.empty(u.numel(), dtype=torch.int64)
-        col.numpy()[order] = np.searchsorted(table.numpy(), values[order], side="right")
-    else:
-        col = torch.searchsorted(table, u, right=True)
-    del u
-    col -= base
-    return torch.minimum(col, last[row])
-
-
-def _rejection_draw(
-    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource
-) -> torch.Tensor:
-    """Draw one column per entry of ``base`` by rejection from the uniform proposal.
-
-    Row ``r`` of the flat table ``accept`` (``[rows * width]``, float64) holds
-    ``weight[r, c] / max_c weight[r, c]``; ``base`` holds ``r * width`` for every draw.
-    Propose ``c`` uniformly and accept with probability ``accept[r, c]``; rejected draws
-    are proposed again, so ``Pr[c] = weight[r, c] / sum_c weight[r, c]`` exactly.  One
-    look-up per proposal and no table to search, expected ``max / mean`` proposals per
-    draw (about two for sigmoid memberships; with ``key_draw="auto"`` the caller bounds it
-    by falling back to :func:`_search_rows` for skewed rows)."""
-    if draws.rng is not None and accept.device.type == "cpu":
-        return torch.from_numpy(
-            _rejection_draw_numpy(accept.numpy(), width, base.numpy(), draws.rng))
-    return _rejection_draw_torch(accept, width, base, draws)
-
-
-def _rejection_draw_torch(
-    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource
-) -> torch.Tensor:
-    """:func:`_rejection_draw` in torch's kernels (CUDA, or torch's CPU uniforms)."""
-    out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
-    pending = None  # indices into out still to draw (None: all of them)
-    while base.numel():
-        # one float64 uniform gives the column (integer part of x) and the coin
-        # (fractional part: 53 - log2(width) random bits)
-        x = draws.uniform(base.numel())
-        x.mul_(width)
-        col = x.to(torch.int64).clamp_(max=width - 1)
-        coin = x.sub_(col)
-        # index_select, not take: the same gather, about five times faster on CPU here
-        rejected = draws.nonzero(coin >= accept.index_select(0, col + base))
-        del x, coin
-        # write every proposal; the rejected ones are overwritten in a later round
-        if pending is None:
-            out.copy_(col)
-            pending = rejected
-        else:
-            out.index_copy_(0, pending, col)
-            pending = pending.index_select(0, rejected)
-        base = base.index_select(0, rejected)
-    return out
-
-
-def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
-                          rng: np.random.Generator) -> np.ndarray:
-    """:func:`_rejection_draw` on CPU with numpy's uniforms, in numpy's kernels: the same
-    operations on the same uniforms as :func:`_rejection_draw_torch` (so the same keys,
-    bit for bit), about a quarter faster per round here (fewer conversions between the
-    two libraries' arrays, numpy's ``take`` for the look-ups and the compaction)."""
-    out = np.empty(base.size, dtype=np.int64)
-    pending = None  # indices into out still to draw (None: all of them)
-    while base.size:
-        x = rng.random(base.size)
-        x *= width
-        col = x.astype(np.int64)  # truncation, as torch's conversion
-        np.minimum(col, width - 1, out=col)
-        x -= col  # the coin
-        rejected = np.flatnonzero(x >= accept.take(col + base))
-        del x
-        if pending is None:
-            out[...] = col
-            pending = rejected
-        else:
-            out[pending] = col
-            pending = pending.take(rejected)
-        base = base.take(rejected)
-    return out
 
 
 def _groups(q_membership, s, k_membership):

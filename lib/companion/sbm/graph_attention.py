@@ -43,73 +43,16 @@ import torch
 # its old home: still importable from here until tests/test_bad_inputs.py imports it from
 # companion.sbm (the dense reference lives in companion.sbm.reference)
 from companion.sbm.reference import dense_masked_attention  # noqa: F401
+from companion.sbm.tensor_ops import repeat_each, stable_argsort
 
-__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph", "stable_argsort",
-           "repeat_each"]
-
-# dtypes numpy reads and writes exactly (no bfloat16 in numpy)
-_NUMPY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.float16, torch.float32, torch.float64)
-
-
-def stable_argsort(keys: torch.Tensor, bound: int) -> torch.Tensor:
-    """Stable argsort of nonnegative integer ``keys < bound`` (int32 or int64).
-
-    On CPU: LSD radix sort, 16 bits per pass, through numpy's radix ``argsort`` for
-    16-bit keys (linear time; about ten times faster here than ``torch.sort`` for
-    millions of keys).  Elsewhere: ``torch.sort(stable=True)`` (a radix sort on CUDA).
-    """
-    if keys.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=keys.device)
-    if keys.device.type != "cpu":
-        return torch.sort(keys, stable=True).indices
-    values = keys.numpy()
-    bits = max(1, (max(int(bound), 2) - 1).bit_length())
-    perm = None
-    for shift in range(0, bits, 16):
-        current = values if perm is None else values[perm]
-        if shift == 0 and bits <= 16:
-            digits = current.astype(np.uint16)
-        else:
-            digits = ((current >> shift) & 0xFFFF).astype(np.uint16)
-        del current
-        order = np.argsort(digits, kind="stable")
-        del digits
-        perm = order if perm is None else perm[order]
-    return torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
-
-
-def repeat_each(values: torch.Tensor, repeats: torch.Tensor,
-                total: int | None = None) -> torch.Tensor:
-    """Entry ``i`` of the 1-D ``values`` repeated ``repeats[i]`` times, in order:
-    ``values.repeat_interleave(repeats, output_size=total)``.
-
-    On CPU by numpy's ``repeat`` (a copy: the same numbers, bit for bit): here about
-    1.7 times faster than torch's for a million cells of about 1.6 edges each, and 4
-    times for 8,192 rows of 200 (one thread).  Tensors numpy cannot read (on another
-    device, requiring grad, bfloat16, negative or conjugate views) and traced or
-    compiled calls take torch's.  ``total``: the output length when the caller knows it
-    (``sum(repeats)``; checked on the numpy path, trusted by torch's).
-
-    >>> repeat_each(torch.tensor([5, 6, 7]), torch.tensor([2, 0, 1]))
-    tensor([5, 5, 7])
-    """
-    if (values.device.type == "cpu" and repeats.device.type == "cpu"
-            and values.dim() == 1 and repeats.dim() == 1 and values.dtype in _NUMPY_DTYPES
-            and not (values.requires_grad or values.is_neg() or values.is_conj()
-                     or torch.jit.is_tracing() or torch.compiler.is_compiling())):
-        out = torch.from_numpy(np.repeat(values.numpy(), repeats.numpy()))
-        if total is not None and out.numel() != total:
-            raise ValueError(f"total: expected sum(repeats) = {out.numel()}, got {total}")
-        return out
-    return values.repeat_interleave(repeats, output_size=total)
+__all__ = ["edge_attention", "EdgeGraph", "attention_on_graph"]
 
 
 def _flat_index(index: torch.Tensor, group: torch.Tensor, size: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """``group * size + index`` as ``dtype`` (int32 or int64, holding every value). On
-    CPU by numpy, written straight into ``dtype``: about twice as fast here as torch's
-    integer add with ``alpha`` and its conversion."""
+    CPU by numpy, written straight into ``dtype``: one pass, where torch's integer add
+    with ``alpha`` is followed by a conversion."""
     if index.device.type != "cpu":
         return torch.add(index, group, alpha=size).to(dtype)
     out = np.empty(index.numel(), dtype=np.int32 if dtype == torch.int32 else np.int64)
@@ -119,8 +62,8 @@ def _flat_index(index: torch.Tensor, group: torch.Tensor, size: int,
 
 
 def _is_sorted(x: torch.Tensor) -> bool:
-    """Whether the 1-D ``x`` is non-decreasing (numpy on CPU: about three times faster
-    here than torch's compare and ``all``)."""
+    """Whether the 1-D ``x`` is non-decreasing (numpy on CPU: one pass, without the
+    bool tensor of torch's compare and ``all``)."""
     if x.device.type == "cpu":
         values = x.numpy()
         return bool(np.all(values[1:] >= values[:-1]))
@@ -138,6 +81,13 @@ class EdgeGraph:
 
     Memory: two indices per edge (one on CPU; two more once transposed), int32 when they
     fit, and ``O(G (n + m))``.
+
+    Examples
+    --------
+    >>> graph = EdgeGraph(torch.tensor([0, 0, 0]), torch.tensor([1, 0, 0]),
+    ...                   torch.tensor([0, 0, 1]), 1, 2, 2)  # rows given out of order
+    >>> graph.order, graph.counts  # the row-major permutation, edges per query
+    (tensor([1, 2, 0]), tensor([2, 1], dtype=torch.int32))
     """
 
     def __init__(self, group, query, key, num_groups, n, m):
@@ -213,8 +163,8 @@ class EdgeGraph:
             # scipy's CSR -> CSC conversion is a counting sort over the columns that keeps
             # the row order within a column: with the edge numbers as values it gives the
             # stable column order, the column pointers and the rows in one O(E + G m)
-            # pass (12 against 30 ms for radix argsort, bincount and gather at 1.7 M edges
-            # here), and needs no per-edge row index
+            # pass (where radix argsort, bincount and gather make three), and needs no
+            # per-edge row index
             numbers = np.arange(self.num_edges, dtype=np.int32 if idx == torch.int32 else np.int64)
             csc = scipy.sparse.csr_matrix(
                 (numbers, self.col.numpy(), self.crow.numpy()),
@@ -227,7 +177,8 @@ class EdgeGraph:
         counts_t = torch.bincount(self.col, minlength=self.num_cols)
         crow_t = torch.zeros(self.num_cols + 1, dtype=idx, device=self.col.device)
         torch.cumsum(counts_t, 0, out=crow_t[1:])
-        # index_select, not advanced indexing: several times faster on CPU here
+        # index_select, not advanced indexing: a plain gather, without advanced
+        # indexing's general index machinery
         return perm, crow_t, self.row.index_select(0, perm)
 
     def sddmm(self, x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -318,6 +269,15 @@ def attention_on_graph(q2, k2, v2, graph, edge_weight, scale, *, unit_weight=Fal
 
     The building block :func:`edge_attention` wraps and :class:`companion.sbm.SBMAttention`
     calls with the graph it sampled (no arguments are checked here: the callers do).
+
+    Examples
+    --------
+    >>> graph = EdgeGraph(torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1]),
+    ...                   torch.tensor([0, 1, 0]), 1, 2, 2)
+    >>> q2, k2, v2 = torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([[1.0], [3.0]])
+    >>> attention_on_graph(q2, k2, v2, graph, None, 0.5)
+    tensor([[2.],
+            [1.]])
     """
     return _EdgeAttention.apply(q2, k2, v2, edge_weight, graph, scale, unit_weight)
 
@@ -394,6 +354,24 @@ def edge_attention(
     ----------
     Time ``O(E d)``, memory ``O(E + (n + m) d)`` per group, in forward and backward.
     Differentiable once (no double backward).
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, attention restricted to the sampled edges, its cost
+       linear in the edges (section not known here: the abstract and the authors' code).
+
+    Examples
+    --------
+    With equal scores each query averages the values of its own keys: query 0 has keys 0 and
+    1, query 1 has key 0.
+
+    >>> q, k, v = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.tensor([[[1.0], [3.0]]])
+    >>> edges = (torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]))
+    >>> edge_attention(q, k, v, edges)
+    tensor([[[2.],
+             [1.]]])
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

@@ -28,9 +28,9 @@ from torch import nn
 
 from companion._validate import check_int, check_tensor
 from companion.sbm.fastrg import (DEFAULT_TUNING, DUPLICATE_POLICIES, FastRGTuning,
-                                  fastrg_sample, poisson_pair_counts, transposed_copy,
-                                  use_pair_grid)
+                                  fastrg_sample, poisson_pair_counts, use_pair_grid)
 from companion.sbm.graph_attention import EdgeGraph, attention_on_graph
+from companion.sbm.tensor_ops import transposed_copy
 
 __all__ = ["sbm_parameters", "SBMAttention", "density_regularizer"]
 
@@ -68,6 +68,14 @@ def sbm_parameters(
     >>> qm, s, km = sbm_parameters(q, k, c, torch.nn.Identity())
     >>> qm.shape, s.shape, km.shape, round(float(s.sum()), 6)
     (torch.Size([5, 3]), torch.Size([3, 3]), torch.Size([7, 3]), 1.0)
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the memberships ``Qhat``, ``Khat`` and the block matrix
+       ``S`` from the queries, keys and cluster embeddings (section not known here: the
+       abstract and the authors' code).
     """
     for name, t in (("q", q), ("k", k), ("cluster_embeddings", cluster_embeddings)):
         check_tensor(name, t, floating=True)
@@ -175,9 +183,9 @@ class _CountAttention(torch.autograd.Function):
 
     ``present`` is 1.0 where ``w_ij > 0`` and 0.0 elsewhere. From it the scores get the
     bias :func:`_absent_bias`, ``-1e30`` on the absent pairs, so that the row maximum is
-    taken over the present pairs, as the edge path does (a boolean mask is several times
-    slower here than the fused add).  Exponents are clamped at -80: the exponential's
-    subnormal range is about ten times slower, and ``exp(-80) < 2e-35`` is far below the
+    taken over the present pairs, as the edge path does (a fused add, where a boolean
+    mask costs a compare and a select).  Exponents are clamped at -80: the exponential is
+    slow in its subnormal range, and ``exp(-80) < 2e-35`` is far below the
     row's largest term ``exp(0) = 1``; ``u`` is then set to 0 on the absent pairs (no
     subnormal numbers in the backward)."""
 
@@ -198,9 +206,8 @@ class _CountAttention(torch.autograd.Function):
 
 def _absent_bias(present: torch.Tensor) -> torch.Tensor:
     """``-1e30`` where ``present`` is 0.0 and ``+0`` where it is 1.0: ``(present - 1)
-    1e30``, two float passes (zeros_like + masked_fill_(w == 0) took about 15 times as
-    long here: the bool compare alone about 3 float passes); the same numbers, signs of
-    zero included."""
+    1e30``, two float passes (zeros_like + masked_fill_(w == 0) adds a bool compare and
+    a masked write); the same numbers, signs of zero included."""
     return present.sub(1.0).mul_(1e30)
 
 
@@ -209,8 +216,8 @@ def _count_attention_forward(q, k, v, weights, present, scale):
     its backward reads. ``present``: 1.0 where a pair is present, 0.0 where absent."""
     acc = weights.dtype
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
-    # a contiguous K^T: bmm with a transposed second operand took about twice as
-    # long here (float32 results bit-identical on the shapes tried)
+    # a contiguous K^T: bmm reads a contiguous second operand in its own order
+    # (float32 results bit-identical on the shapes tried)
     u = torch.baddbmm(_absent_bias(present), qa, transposed_copy(ka), alpha=scale)
     u.sub_(u.amax(-1, keepdim=True)).clamp_(min=-80.0).exp_()
     total = torch.mul(u, weights).sum(-1, keepdim=True)
@@ -218,7 +225,7 @@ def _count_attention_forward(q, k, v, weights, present, scale):
     # u_ij = exp(s_ij - max) / Z_i, a_ij = w_ij u_ij; u_ij = 0 on absent pairs. Left at
     # exp(-80) / Z_i there, the backward's dL/dw = u (...) made subnormal numbers of them,
     # and on processors that take a microcode assist per subnormal operand (Intel's)
-    # that made two [G, n, m] passes of the backward 5-10x slower. (An exponent below
+    # that made two [G, n, m] passes of the backward several times slower. (An exponent below
     # -104, whose exp is 0, is as slow: exp computes through the subnormal range.) The
     # same numbers bit for bit: an absent pair's u only ever meets a zero weight, and
     # multiplying a present pair's by 1.0 is exact.
@@ -327,6 +334,14 @@ class SBMAttention(nn.Module):
     >>> out, density = layer(q, k, v, generator=torch.Generator().manual_seed(0))
     >>> out.shape, density.shape
     (torch.Size([1, 2, 6, 4]), torch.Size([1, 2]))
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the SBM-Transformer's attention: sampled graph, attention
+       on its edges, straight-through gradients (section not known here: the abstract
+       and the authors' code).
     """
 
     def __init__(
@@ -544,6 +559,13 @@ def density_regularizer(
     >>> float(density_regularizer([torch.tensor([[0.2, 0.4]]), torch.tensor([[0.6, 0.8]])],
     ...                           lam=0.5))
     0.25
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, the penalty on the sampled graphs' density (section not
+       known here: the abstract and the authors' code).
     """
     if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not lam >= 0:
         raise ValueError(f"lam: expected a nonnegative float, got {lam!r}")

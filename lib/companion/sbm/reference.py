@@ -93,6 +93,14 @@ def dense_masked_attention(
     >>> dense_masked_attention(q, k, v, torch.tensor([[True, False], [False, False]]))
     tensor([[1., 0.],
             [0., 0.]])
+
+    References
+    ----------
+    .. [1] S. Cho, S. Min, J. Kim, M. Lee, H. Lee, S. Hong, "Transformers meet
+       Stochastic Block Models: Attention with Data-Adaptive Sparsity and Cost", NeurIPS
+       2022, arXiv:2210.15541, masked softmax attention on the sampled graph, dense, as
+       the public code computes it (section not known here: the abstract and the
+       authors' code).
     """
     scale = _check_dense_inputs(q, k, v, mask, scale)
     attn = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
