@@ -76,6 +76,8 @@ NOT_KERNELS = {
     "companion.context_similarity.stats.Statistic": "registry entry",
     "companion.context_similarity.stats.PairBatch":
         "inside SimilarityStats.update (covered by context_similarity.stats)",
+    "companion.context_similarity.stats.uniform_pairs_mode_count":
+        "a seeded draw that the reference calls too (chance_hub_endpoints)",
     "companion.context_similarity.stats.batch_sum": "registers a statistic",
     "companion.context_similarity.stats.window_sum": "registers a statistic",
     "companion.context_similarity.capture.BatchResult": "result type",
