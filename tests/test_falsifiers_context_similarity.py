@@ -360,3 +360,17 @@ def test_window_sums_refuse_what_is_not_per_window_sums():
         ms.evaluate(ms.WindowSums({"n_high": torch.ones(3, 1, 1),
                                    "same_sentence": torch.ones(3, 1, 1)}),
                     ms.same_sentence_fraction, level=1.0)
+
+
+def test_paper_measurements_cover_every_declared_claim(run, real):
+    """The chapter's one call measures every declared paper claim (the layer 11, head 8
+    claim only on a model of 12 layers of 12 heads), with the functions tested above."""
+    from companion.book.statements import inventory
+
+    got = ms.paper_measurements(real, run["groups"], run["punct"])
+    declared = set(inventory("context_similarity").claims)
+    assert set(got) == declared - {"context-similarity-identical-across-window"}
+    direct = ms.evaluate(real, ms.short_share, run["groups"]["final"])
+    assert got["context-similarity-final-short-range-dominance"].interval == direct.interval
+    with pytest.raises(ValueError, match="groups"):
+        ms.paper_measurements(real, {"early": [0], "middle": [], "final": [1]}, run["punct"])

@@ -22,6 +22,7 @@ from companion._validate import check_int
 __all__ = [
     "CONTEXT_MIN",
     "HUB_MIN",
+    "PAPER_HEAD",
     "REP_MIN",
     "Measured",
     "WindowSums",
@@ -35,6 +36,7 @@ __all__ = [
     "intra_sentence_over_long_range",
     "long_share_difference",
     "mean_distance_difference",
+    "paper_measurements",
     "pooled",
     "repetition_top_fraction",
     "same_sentence_excess",
@@ -312,3 +314,50 @@ def unrelated_share(s: Mapping, layers=None) -> torch.Tensor:
     chapter measures: in two sentences, two different tokens, more than SHORT_RANGE
     apart, outside the high-attention region."""
     return _ratio(pooled(s, "unrelated", layers), pooled(s, "n_high", layers))
+
+
+#: The head the secondary summary names, "layer 11, head 8", read as numbered from 1.
+PAPER_HEAD = (10, 7)
+
+
+def paper_measurements(sums: WindowSums, groups: Mapping, separator_kinds,
+                       level: float = 0.95) -> dict[str, Measured]:
+    """Every paper claim's measurement on one model's window sums: claim id -> Measured.
+
+    ``groups``: the layer groups, ``{"early": [...], "middle": [...], "final": [...]}``
+    (0-based); ``separator_kinds``: the indices of '.' and ',' among the statistics'
+    separators. The layer 11, head 8 claim is measured only for a model of 12 layers of
+    12 heads. The chapter records these for its headline model and judges them for the
+    model beside it, with the same functions and arguments.
+    """
+    for g in ("early", "middle", "final"):
+        if not groups.get(g):
+            raise ValueError(f"groups: expected a non-empty list of layers for {g!r}")
+    g = groups
+
+    def ev(fn, *args):
+        return evaluate(sums, fn, *args, level=level)
+
+    p = "context-similarity-"
+    out = {
+        p + "early-uniform": ev(early_uniform_distance, g["early"]),
+        p + "early-long-range": ev(long_share_difference, g["early"], g["middle"]),
+        p + "middle-short-range": ev(mean_distance_difference, g["early"], g["middle"]),
+        p + "middle-short-range-dominance": ev(short_share, g["middle"]),
+        p + "final-short-range-dominance": ev(short_share, g["final"]),
+        p + "same-sentence-fraction": ev(same_sentence_fraction),
+        p + "same-sentence-above-chance": ev(same_sentence_excess),
+        p + "final-sentence-beyond-locality": ev(sentence_beyond_locality, g["final"]),
+        p + "final-strongest-sentence": ev(final_strongest_sentence, g["final"],
+                                           [g["early"], g["middle"]]),
+        p + "intra-sentence-over-long-range": ev(intra_sentence_over_long_range),
+        p + "final-attend-separators": ev(separator_ratio, g["final"], separator_kinds),
+        p + "repeated-token-heads": ev(repetition_top_fraction),
+        p + "heads-specialise": ev(specialised_head_share),
+        p + "heads-distinct-tokens": ev(distinct_hub_share),
+        p + "heads-distinct-features": ev(distinct_features_share),
+        p + "token-with-context": ev(token_context_ratio),
+    }
+    if tuple(sums["n_high"].shape[-2:]) == (12, 12):
+        out[p + "identical-across-window"] = ev(identical_far_ratio, *PAPER_HEAD)
+    return out
