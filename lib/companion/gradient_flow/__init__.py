@@ -50,9 +50,11 @@ tests' reference), :mod:`~companion.gradient_flow.kernels` the fast batched step
 :mod:`~companion.gradient_flow.simulation` the initial conditions, weight processes,
 :func:`simulate` and :func:`simulate_many` (independent runs on worker processes, the same
 trajectories bit for bit; :func:`start_workers`, :func:`stop_workers` and
-:func:`worker_pids` for its kept worker processes), and
+:func:`worker_pids` for its kept worker processes),
 :mod:`~companion.gradient_flow.analysis` the fits, bootstrap intervals, distances and
-stability constants the chapter reads trajectories with.
+stability constants the chapter reads trajectories with, and
+:mod:`~companion.gradient_flow.paper_measures` the measurements the paper's statements are
+tested with (the chapter's paper claims and their falsifier tests call the same functions).
 """
 from companion.gradient_flow.analysis import (PowerLawFit, bootstrap_mean_band,
                                               bootstrap_over_paths, fit_power_law,
