@@ -18,6 +18,8 @@ cs``). The modules:
 - ``capture``: one forward pass capturing every head's ``hook_z`` and ``hook_pattern``;
 - ``topk``: similarity matrices and the fast pyramid search for the top pairs;
 - ``stats``: one small function per statistic, one registry, :class:`SimilarityStats`;
+- ``measures``: the measurement behind each of the chapter's paper claims, a function of
+  the per-window sums, with its bootstrap over windows;
 - ``corpus``: the driver over a corpus of windows (:func:`analyse_corpus`, ``nproc``);
 - ``workspace``: the work buffers kept between batches;
 - ``segmentation`` and ``segmentation_eval``: sentence boundaries read from the

@@ -14,8 +14,8 @@ from companion.book.statements import PaperClaim, Statement, Threshold
 ARXIV = "arXiv 2512.21956"
 ABSTRACT = f"{ARXIV}, abstract"
 SUMMARY = f"{ARXIV} (secondary summary)"
-WINDOWS = ("windows of text: a bootstrap over the run's 128-token windows (1,000 "
-           "replicates, percentile interval)")
+WINDOWS = ("windows of text: a bootstrap over the run's 128-token windows (percentile "
+           "interval; 1,000 replicates at ci and paper scale, 200 at smoke scale)")
 BEFORE = "fixed before any run of this measurement"
 
 
