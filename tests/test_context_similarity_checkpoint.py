@@ -25,6 +25,11 @@ OPTS = dict(separators=SEPARATORS, batch_size=2, percentile=10.0, progress=False
             where=("pre_wo", "post_wo"), per_window=(True, False))
 
 
+def _main_files(folder):
+    """The main files of passes (not their per-chunk window files)."""
+    return sorted(p for p in folder.glob("context-similarity-*.pt") if ".w" not in p.name)
+
+
 def _assert_identical(got, want):
     for g, w in zip(got, want):
         assert g.config() == w.config()
@@ -52,10 +57,15 @@ def test_a_checkpointed_pass_equals_a_plain_one_and_a_finished_one_is_reused(
     got = analyse_corpus(model, wins, track_tokens=tracked, checkpoint=tmp_path,
                          checkpoint_every=3, **OPTS)  # rounded up to 2 batches
     _assert_identical(got, plain)
-    files = list(tmp_path.glob("context-similarity-*.pt"))
+    files = _main_files(tmp_path)
     assert len(files) == 1 and not list(tmp_path.glob("*.tmp-*"))
     state = torch.load(files[0], weights_only=True)
     assert state["batches"] == state["n_batches"] == 5
+    # each chunk's per-window parts saved once, in a file of their own: 4, 4, 1 windows
+    assert [n.rsplit(".w", 1)[1] for n in state["chunks"]] == ["2.pt", "4.pt", "5.pt"]
+    sizes = [len(next(iter(torch.load(tmp_path / n, weights_only=True)["windows"][0]
+                           .values()))) for n in state["chunks"]]
+    assert sizes == [4, 4, 1] and "windows" not in state["stats"][0]
 
     def no_forward(*args, **kwargs):
         raise AssertionError("a finished pass runs no forward")
@@ -99,7 +109,7 @@ def test_a_changed_parameter_window_weight_or_code_never_reuses_a_checkpoint(
     first = analyse_corpus(model, wins, checkpoint=tmp_path, checkpoint_every=2, **opts)
     second = analyse_corpus(model, wins, checkpoint=tmp_path, checkpoint_every=2,
                             **{**opts, "percentile": 20.0})
-    assert len(list(tmp_path.glob("context-similarity-*.pt"))) == 2
+    assert len(_main_files(tmp_path)) == 2
     _assert_identical(second, analyse_corpus(model, wins, **{**opts, "percentile": 20.0}))
     _assert_identical(first, analyse_corpus(model, wins, **opts))
 
@@ -117,13 +127,14 @@ CHILD = textwrap.dedent("""
     real, saves = corpus._save_checkpoint, []
 
     def save(path, state):
-        saves.append(state["batches"])
-        if len(saves) == int(block_at):
-            # a save cut short: part of a temporary file, then wait to be killed
-            path.with_name(f"{path.name}.tmp-{os.getpid()}").write_bytes(b"partial")
-            with open(ready, "w") as fh:
-                fh.write(" ".join(map(str, saves)))
-            threading.Event().wait()
+        if "batches" in state:  # the main file (a chunk's window file was saved before)
+            saves.append(state["batches"])
+            if len(saves) == int(block_at):
+                # a save cut short: part of a temporary file, then wait to be killed
+                path.with_name(f"{path.name}.tmp-{os.getpid()}").write_bytes(b"partial")
+                with open(ready, "w") as fh:
+                    fh.write(" ".join(map(str, saves)))
+                threading.Event().wait()
         real(path, state)
 
     corpus._save_checkpoint = save
@@ -166,18 +177,22 @@ def test_a_killed_pass_continues_from_its_last_save_bit_for_bit(setup, tmp_path,
         if child.poll() is None:
             child.kill()
     assert ready.read_text() == "1 2 3"  # killed inside the save after batch 3
-    saved = list(folder.glob("context-similarity-*.pt"))
+    saved = _main_files(folder)
     assert len(saved) == 1 and list(folder.glob("*.tmp-*"))
-    assert torch.load(saved[0], weights_only=True)["batches"] == 2  # the last whole save
+    state = torch.load(saved[0], weights_only=True)
+    assert state["batches"] == 2  # the last whole save
+    # batch 3's window file was written but is not listed: the resumed pass writes it again
+    assert len(state["chunks"]) == 2 and len(list(folder.glob("*.w3.pt"))) == 1
 
     resumed_saves = []
     real = corpus._save_checkpoint
     monkeypatch.setattr(corpus, "_save_checkpoint",
-                        lambda path, state: (resumed_saves.append(state["batches"]),
+                        lambda path, state: (resumed_saves.append(state.get("batches")),
                                              real(path, state)))
     got = analyse_corpus(model, wins, track_tokens=tracked, checkpoint=folder,
                          checkpoint_every=2, **OPTS)
-    assert resumed_saves == [3, 4, 5]  # went on after batch 2, did not start over
+    # went on after batch 2 (a window file, then the main file, per batch)
+    assert resumed_saves == [None, 3, None, 4, None, 5]
     assert not list(folder.glob("*.tmp-*"))
     _assert_identical(got, plain)
 
@@ -186,11 +201,19 @@ def test_an_unreadable_checkpoint_is_started_over_and_bad_input(setup, tmp_path)
     model, wins, _, _ = setup
     opts = {**OPTS, "per_window": (False, False)}
     analyse_corpus(model, wins, checkpoint=tmp_path, **opts)
-    (saved,) = tmp_path.glob("context-similarity-*.pt")
+    (saved,) = _main_files(tmp_path)
     saved.write_bytes(b"not a checkpoint")
     with pytest.warns(UserWarning, match="unreadable"):
         got = analyse_corpus(model, wins, checkpoint=tmp_path, **opts)
     _assert_identical(got, analyse_corpus(model, wins, **opts))
+    # a window file the main file lists, gone: started over too
+    windowed = tmp_path / "windowed"
+    analyse_corpus(model, wins, checkpoint=windowed, checkpoint_every=2, **OPTS)
+    (main,) = _main_files(windowed)
+    (windowed / torch.load(main, weights_only=True)["chunks"][1]).unlink()
+    with pytest.warns(UserWarning, match="listed by .* is missing or unreadable"):
+        got = analyse_corpus(model, wins, checkpoint=windowed, checkpoint_every=2, **OPTS)
+    _assert_identical(got, analyse_corpus(model, wins, **OPTS))
     with pytest.raises(TypeError, match="checkpoint: expected a directory path"):
         analyse_corpus(model, wins, checkpoint=3, **opts)
     with pytest.raises(ValueError, match="checkpoint_every: expected an int >= 1"):

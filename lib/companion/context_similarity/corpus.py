@@ -388,7 +388,9 @@ def checkpoint_key(model, windows, params: dict) -> str:
     return h.hexdigest()
 
 
-def _load_checkpoint(path: Path, key: str):
+def _read(path: Path, key: str):
+    """A saved file's content when it is readable and of this key, else None (an
+    unreadable file is warned about)."""
     if not path.is_file():
         return None
     try:
@@ -397,15 +399,49 @@ def _load_checkpoint(path: Path, key: str):
         import warnings
 
         warnings.warn(f"checkpoint: {path} is unreadable ({type(exc).__name__}: {exc}); "
-                      "starting the pass over", stacklevel=3)
+                      "starting the pass over", stacklevel=4)
         return None
     return state if isinstance(state, dict) and state.get("key") == key else None
+
+
+def _load_checkpoint(path: Path, key: str):
+    """The saved statistics (state dicts, per-window parts gathered from the chunk files
+    the main file lists) and the batches done; None when nothing usable is saved."""
+    state = _read(path, key)
+    if state is None:
+        return None
+    parts = []
+    for name in state["chunks"]:
+        chunk = _read(path.with_name(name), key)
+        if chunk is None:
+            import warnings
+
+            warnings.warn(f"checkpoint: {path.with_name(name)}, listed by {path.name}, is "
+                          "missing or unreadable; starting the pass over", stacklevel=3)
+            return None
+        parts.append(chunk["windows"])
+    for n, stats_state in enumerate(state["stats"]):
+        names = parts[0][n].keys() if parts else ()
+        if names:
+            stats_state["windows"] = {name: torch.cat([p[n][name] for p in parts])
+                                      for name in names}
+    return state
+
+
+def _sums_state(stats: SimilarityStats) -> dict:
+    """:meth:`SimilarityStats.state_dict` without the per-window parts (saved once per
+    chunk instead, so that the saves of a pass write each window's parts once)."""
+    state = {"config": stats.config(),
+             "sums": {k: v.cpu() for k, v in stats.tensors().items()}}
+    if stats._tracked is not None:
+        state["tracked_tokens"] = stats._tracked.cpu()
+    return state
 
 
 def _save_checkpoint(path: Path, state: dict) -> None:
     """Atomically: a temporary file in the same directory, flushed to disk, then renamed
     over the previous save (a kill leaves either the old file or the new one)."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # removed by the next run if cut
     with open(tmp, "wb") as fh:
         torch.save(state, fh)
         fh.flush()
@@ -415,7 +451,12 @@ def _save_checkpoint(path: Path, state: dict) -> None:
 
 def _checkpointed(model, windows, folder: Path, every: int, params: dict, progress: bool):
     """:func:`analyse_corpus` in chunks of ``every`` windows (whole batches), saved after
-    each chunk under the pass's key; resumes after the last saved chunk."""
+    each chunk under the pass's key; resumes after the last saved chunk.
+
+    Per save: the chunk's per-window parts in a file of their own
+    (``<main>.w<batches>.pt``), then the main file (the sums, the batches done and the
+    chunk files so far), each atomically; so each window's parts are written once, not
+    once per later save (at paper scale they reach hundreds of megabytes)."""
     from filelock import FileLock, Timeout
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -432,13 +473,14 @@ def _checkpointed(model, windows, folder: Path, every: int, params: dict, progre
     except Timeout:
         raise RuntimeError(f"checkpoint: another pass is running with {path}") from None
     try:
-        for stale in folder.glob(f"{path.name}.tmp-*"):  # a save cut short by a kill
+        stem = path.name[:-len(".pt")]
+        for stale in folder.glob(f"{stem}*.tmp-*"):  # a save cut short by a kill
             stale.unlink(missing_ok=True)
         state = _load_checkpoint(path, key)
         n_batches = math.ceil(len(windows) / batch_size)
-        done, stats = 0, None
+        done, stats, chunks = 0, None, []
         if state is not None:
-            done = int(state["batches"])
+            done, chunks = int(state["batches"]), list(state["chunks"])
             stats = tuple(SimilarityStats.from_state_dict(s, device=dev)
                           for s in state["stats"])
         bar = None
@@ -452,13 +494,23 @@ def _checkpointed(model, windows, folder: Path, every: int, params: dict, progre
         for start in range(done, n_batches, chunk):
             end = min(start + chunk, n_batches)
             part = windows[start * batch_size:end * batch_size]
+            before = ([{} for _ in params["where"]] if stats is None
+                      else [{name: len(p) for name, p in s._windows.items()} for s in stats])
             if stats is None:
                 stats = analyse_corpus(model, part, **inner, progress=False)
             else:
                 stats = analyse_corpus(model, part, **{**inner, "track_tokens": None},
                                        into=stats, progress=False)
+            # this chunk's per-window parts: those appended to each list since `before`
+            new = [{name: torch.cat(p[b.get(name, 0):]).cpu()
+                    for name, p in s._windows.items()} for s, b in zip(stats, before)]
+            if any(new):
+                chunk_name = f"{stem}.w{end}.pt"
+                _save_checkpoint(path.with_name(chunk_name), {"key": key, "windows": new})
+                chunks.append(chunk_name)
             _save_checkpoint(path, {"key": key, "batches": end, "n_batches": n_batches,
-                                    "stats": [s.state_dict() for s in stats]})
+                                    "chunks": chunks,
+                                    "stats": [_sums_state(s) for s in stats]})
             if bar is not None:
                 bar.update(len(part))
         if bar is not None:
