@@ -62,9 +62,9 @@ forward *with attention maps* (``output_attentions=True``, the whole model,
 repeats, the target (<= 1.1) judged on the median over repeats of ``full`` over the
 faster baseline of the same repeat. Then the memory of a paper-scale pass (20,000
 windows of 128 tokens, the chapter's settings, resumable): the peak RSS of this process
-after a pass of ``--windows`` windows plus the per-window parts and one checkpoint copy
-of them for the remaining windows, from their measured bytes per window (target <= 8
-GiB). Writes ``context_similarity_mpnet``.
+after a pass of ``--windows`` windows plus, for the remaining windows, the per-window
+parts twice (held, and concatenated once when a pass resumes from its window files),
+from their measured bytes per window (target <= 8 GiB). Writes ``context_similarity_mpnet``.
 """
 from __future__ import annotations
 
@@ -364,7 +364,7 @@ def mpnet_main(args) -> int:
     per_window_bytes = sum(t.numel() * t.element_size()
                            for t in stats.window_sums().values()) / len(wins)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    # the parts of the windows not run here, held once and copied once by a save
+    # the parts of the windows not run here: held, and concatenated once on a resume
     paper_gib = peak_gib + 2 * per_window_bytes * (PAPER_WINDOWS - len(wins)) / 2**30
     median = {name: statistics.median(ts) for name, ts in times.items()}
     result = {
@@ -409,7 +409,8 @@ def mpnet_main(args) -> int:
               f"{high_chapter:.3f}).",
               "", f"Memory: peak RSS of this process {peak_gib:.2f} GiB; per-window parts "
               f"{per_window_bytes / 1024:.1f} KiB per window; a paper-scale pass "
-              f"({PAPER_WINDOWS} windows, held and copied once by a save) about "
+              f"({PAPER_WINDOWS} windows, their parts held and concatenated once on a "
+              "resume) about "
               f"{paper_gib:.2f} GiB (target <= {MPNET_MEMORY_GIB:.0f}): "
               f"{'met' if paper_gib <= MPNET_MEMORY_GIB else 'NOT met'}."]
     write_results("context_similarity_mpnet", result, "\n".join(lines) + "\n")
