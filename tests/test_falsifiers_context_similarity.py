@@ -374,3 +374,22 @@ def test_paper_measurements_cover_every_declared_claim(run, real):
     assert got["context-similarity-final-short-range-dominance"].interval == direct.interval
     with pytest.raises(ValueError, match="groups"):
         ms.paper_measurements(real, {"early": [0], "middle": [], "final": [1]}, run["punct"])
+
+
+def test_cluster_bootstrap_keeps_a_cluster_together():
+    """clusters=: windows of one label are drawn together (each replicate weighs them
+    alike), and with every window its own cluster the bootstrap is the window bootstrap."""
+    w = {"n_high": torch.ones(6, 1, 1), "same_sentence": torch.tensor(
+        [1., 1, 0, 0, 1, 0])[:, None, None]}
+    by_doc = ms.WindowSums(w, reps=50, seed=3, clusters=[7, 7, 7, 2, 2, 9])
+    assert by_doc.n_clusters == 3
+    assert torch.equal(by_doc.weights[:, 0], by_doc.weights[:, 2])
+    assert torch.equal(by_doc.weights[:, 3], by_doc.weights[:, 4])
+    # every replicate draws 3 clusters: their counts, one window of each, sum to 3
+    assert torch.equal(by_doc.weights[:, [0, 3, 5]].sum(1), torch.full((50,), 3.0,
+                                                                       dtype=torch.float64))
+    own = ms.WindowSums(w, reps=50, seed=3, clusters=list(range(6)))
+    plain = ms.WindowSums(w, reps=50, seed=3)
+    assert torch.equal(own.weights, plain.weights)
+    with pytest.raises(ValueError, match="clusters"):
+        ms.WindowSums(w, clusters=[1, 2])

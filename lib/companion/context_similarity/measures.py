@@ -77,10 +77,15 @@ class WindowSums(Mapping):
     ``r`` weighs window ``w`` by how often it was drawn (the same draws for every name, so
     ratios of sums are paired). ``window_sums`` is :meth:`SimilarityStats.window_sums`.
     A derived per-window sum ``windows_with_pairs`` counts the windows that have pairs.
+
+    ``clusters``: one label per window (e.g. its document); the bootstrap then draws
+    clusters with replacement and keeps all windows of a drawn cluster together, since
+    consecutive windows of one text are not independent draws. None: every window is its
+    own cluster.
     """
 
     def __init__(self, window_sums: Mapping[str, torch.Tensor], reps: int = 1000,
-                 seed: int = 0):
+                 seed: int = 0, clusters=None):
         reps = check_int("reps", reps, minimum=1)
         if "n_high" not in window_sums:
             raise ValueError("window_sums: expected SimilarityStats.window_sums() (no 'n_high')")
@@ -90,10 +95,21 @@ class WindowSums(Mapping):
         self.n = int(n_high.shape[0])
         if self.n == 0:
             raise ValueError("window_sums: no windows")
+        if clusters is None:
+            inverse, n_clusters = torch.arange(self.n), self.n
+        else:
+            labels = torch.as_tensor(clusters)
+            if labels.shape != (self.n,) or labels.is_floating_point():
+                raise ValueError(f"clusters: expected {self.n} integer labels, one per window, "
+                                 f"got {tuple(labels.shape)} {labels.dtype}")
+            _, inverse = torch.unique(labels, return_inverse=True)
+            n_clusters = int(inverse.max()) + 1
+        self.n_clusters = n_clusters
         gen = torch.Generator().manual_seed(int(seed))
-        draws = torch.randint(self.n, (reps, self.n), generator=gen)
-        self.weights = torch.zeros(reps, self.n, dtype=torch.float64).scatter_add_(
-            1, draws, torch.ones(reps, self.n, dtype=torch.float64))
+        draws = torch.randint(n_clusters, (reps, n_clusters), generator=gen)
+        counts = torch.zeros(reps, n_clusters, dtype=torch.float64).scatter_add_(
+            1, draws, torch.ones(reps, n_clusters, dtype=torch.float64))
+        self.weights = counts[:, inverse]  # [reps, windows]
         self.point = _Lazy(lambda t: t.sum(0), self._w)
         self.boot = _Lazy(lambda t: (self.weights @ t.cpu().double().reshape(self.n, -1))
                           .view(-1, *t.shape[1:]), self._w)

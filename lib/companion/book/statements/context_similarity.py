@@ -14,8 +14,10 @@ from companion.book.statements import PaperClaim, Statement, Threshold
 ARXIV = "arXiv 2512.21956"
 ABSTRACT = f"{ARXIV}, abstract"
 SUMMARY = f"{ARXIV} (secondary summary)"
-WINDOWS = ("windows of text: a bootstrap over the run's 128-token windows (percentile "
-           "interval; 1,000 replicates at ci and paper scale, 200 at smoke scale)")
+WINDOWS = ("text: a bootstrap over the documents the run's 128-token windows come from, "
+           "each drawn with all of its windows (a window of the Wikipedia stream by its "
+           "first article); percentile interval, 1,000 replicates at ci and paper scale, "
+           "200 at smoke scale")
 BEFORE = "fixed before any run of this measurement"
 
 
