@@ -44,7 +44,11 @@ def encode_parameters(params: dict[str, Any]) -> str:
     {'seed': 0, 'sizes': (1, 2), 'model': None}
     """
     text = repr(dict(params))
-    if ast.literal_eval(text) != params:
+    try:
+        same = ast.literal_eval(text) == params
+    except (ValueError, SyntaxError):
+        same = False
+    if not same:
         raise ValueError(f"parameters: expected literal values, got {params!r}")
     return text
 

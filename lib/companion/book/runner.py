@@ -88,111 +88,42 @@ from pathlib import Path
 from typing import Any, Callable
 
 from companion.book.build import (  # noqa: F401 - re-exported: the runner's build API
-    Child,
-    book_output_state,
-    book_sources_state,
-    build,
-    build_html,
-    child_result,
-    expected_seconds,
-    jupyter_book_executable,
-    longest_first,
-    page_html,
-    read_result_file,
-    run_many,
-    write_result_file,
+    Child, book_output_state, book_sources_state, build, build_html, child_result,
+    expected_seconds, jupyter_book_executable, longest_first, page_html, read_result_file,
+    run_many, write_result_file
 )
 from companion.book.cache import (  # noqa: F401 - re-exported: the runner's cache API
-    RunResult,
-    cache_key,
-    cached_result,
-    cached_run,
-    chapter_front_matter,
-    chapter_inputs,
-    chapter_lock,
-    chapter_lock_file,
-    installed_versions,
-    is_cached,
+    RunResult, cache_key, cached_result, cached_run, chapter_front_matter, chapter_inputs,
+    chapter_lock, chapter_lock_file, installed_versions, is_cached
 )
 from companion.book.chapter import SCALES  # noqa: F401 - re-exported
 from companion.book.files import atomic_write_text, dumps, now_iso
 from companion.book.gitstate import git_state
 from companion.book.interrupts import (  # noqa: F401 - re-exported: the runner's interrupt API
-    INTERRUPT_SIGNALS,
-    RunInterrupted,
-    install_interrupt_handlers,
-    interrupt_guard,
-    raise_if_interrupted,
-    signals_deferred,
+    INTERRUPT_SIGNALS, RunInterrupted, install_interrupt_handlers, interrupt_guard,
+    raise_if_interrupted, signals_deferred
 )
 from companion.book.kernel import (  # noqa: F401 - re-exported: the runner's kernel API
-    DEVICE_FILE,
-    ENV_NPROC,
-    ENV_PROGRESS_SECONDS,
-    ENV_TEST_PAUSE_AT,
-    PROGRESS_SECONDS,
-    Execution,
-    KernelTracker,
-    Progress,
-    code_cells,
-    detected_device,
-    execute_notebook,
-    execution_error,
-    kernel_environment,
-    kernel_variables,
-    progress_line,
-    progress_seconds,
-    test_pause,
+    DEVICE_FILE, ENV_NPROC, ENV_PROGRESS_SECONDS, ENV_TEST_PAUSE_AT, PROGRESS_SECONDS,
+    Execution, KernelTracker, Progress, code_cells, detected_device, execute_notebook,
+    execution_error, kernel_environment, kernel_variables, progress_line, progress_seconds,
+    test_pause
 )
 from companion.book.notebook_cells import (  # noqa: F401 - re-exported: what a page gets
-    BOX_TAG,
-    ENV_INSTALL_SOURCE,
-    ENV_PIP_ARGS,
-    INSTALL_TAG,
-    NOTEBOOK_EXTRAS,
-    REMOVE_TAG,
-    SCALE_MEANING,
-    SCALE_TAG,
-    STALE_TAG,
-    add_install_cell,
-    add_references_section,
-    effective_parameters_source,
-    finish_notebook,
-    install_cell_source,
-    mark_stale,
-    scale_banner,
-    show_one_parameters_cell,
-    write_notebook,
-    write_placeholder,
+    BOX_TAG, ENV_INSTALL_SOURCE, ENV_PIP_ARGS, INSTALL_TAG, NOTEBOOK_EXTRAS, REMOVE_TAG,
+    SCALE_MEANING, SCALE_TAG, STALE_TAG, add_install_cell, add_references_section,
+    effective_parameters_source, finish_notebook, install_cell_source, mark_stale, scale_banner,
+    show_one_parameters_cell, write_notebook, write_placeholder
 )
 from companion.book.parameters import (  # noqa: F401 - re-exported: the runner's parameters API
-    CELL_TIMEOUT_SECONDS,
-    DEVICE_CHOICES,
-    PUBLISH,
-    PUBLISH_SCALES,
-    REQUIRED_PARAMETERS,
-    PreparedChapter,
-    check_device_available,
-    check_nproc,
-    check_timeout,
-    coerce_parameter,
-    default_timeout,
-    non_default_parameters,
-    paper_scale_command,
-    parameter_types,
-    parameters_cell_index,
-    parse_parameters,
-    parse_scale_spec,
-    prepare_chapter,
-    rerun_command,
-    resolve_parameters,
+    CELL_TIMEOUT_SECONDS, DEVICE_CHOICES, PUBLISH, PUBLISH_SCALES, REQUIRED_PARAMETERS,
+    PreparedChapter, check_device_available, check_nproc, check_timeout, coerce_parameter,
+    default_timeout, non_default_parameters, paper_scale_command, parameter_types,
+    parameters_cell_index, parse_parameters, parse_scale_spec, prepare_chapter, rerun_command,
+    resolve_parameters
 )
 from companion.book.project import (  # noqa: F401 - re-exported: the runner's project API
-    ChapterError,
-    Project,
-    load_record,
-    read_notebook,
-    read_notebook_ipynb,
+    ChapterError, Project, load_record, read_notebook, read_notebook_ipynb
 )
 
 
