@@ -25,7 +25,7 @@ from companion.book.cache import (RunResult, cached_run, chapter_front_matter,
                                   installed_versions)
 from companion.book.files import atomic_write_text, dumps
 from companion.book.interrupts import signals_deferred
-from companion.book.kernel import progress_seconds
+from companion.book.kernel import process_cpu_seconds, progress_seconds
 from companion.book.notebook_cells import write_placeholder
 from companion.book.parameters import (check_device_available, check_nproc, check_timeout,
                                        parse_scale_spec, prepare_chapter)
@@ -110,6 +110,19 @@ def page_html(project: Project, folder: Path, name: str,
                 (folder / leftover).unlink()
 
 
+def schedule_seconds(expected: list[float], jobs: int) -> float:
+    """When the last of runs taking ``expected`` seconds ends, started longest first,
+    each as soon as one of ``jobs`` slots is free (the schedule of :func:`run_many`).
+
+    >>> schedule_seconds([400.0, 300.0, 200.0, 100.0], 2)
+    500.0
+    """
+    slots = [0.0] * max(1, jobs)
+    for seconds in sorted(expected, reverse=True):
+        slots[slots.index(min(slots))] += seconds
+    return max(slots)
+
+
 def relay_output(proc: subprocess.Popen, name: str, lines: list[str],
                  live: queue.Queue) -> None:
     """Read a child run's output line by line as it comes (so the pipe never fills)."""
@@ -126,7 +139,12 @@ def run_many(project: Project, names: list[str], *,
     """Execute chapters in parallel processes, torch threads divided between them.
 
     ``scale`` is one scale for all, or a mapping chapter -> scale (None: its default).
-    Chapters start longest first (:func:`longest_first`). A chapter whose published run
+    Chapters start longest first (:func:`longest_first`: the last run's time), each as
+    soon as one of ``jobs`` slots is free, with the cores shared between the slots as
+    torch threads; a ``[schedule]`` line says so, with the expected end
+    (:func:`schedule_seconds`). A run's threads are set when its kernel starts, so the
+    tail of the longest chapter, once the others have ended, runs on its share alone.
+    A chapter whose published run
     is current (:func:`cached_run`) is reported cached without a process. Each child's
     lines (its start with its log path, its progress every :func:`progress_seconds`, its
     result) are echoed as they come; its status is the result file it writes
@@ -149,9 +167,15 @@ def run_many(project: Project, names: list[str], *,
                 pending.remove(name)
     if not pending:
         return sorted(results, key=lambda r: names.index(r.name))
-    pending = longest_first(project, pending, scales)
+    expected = {name: expected_seconds(project, name, scales.get(name)) for name in pending}
+    pending = sorted(pending, key=lambda name: -expected[name])  # longest_first's order
     jobs = max(1, min(jobs, len(pending)))
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    echo(f"[schedule] {jobs} at a time, {threads} torch thread(s) each, longest first: "
+         + ", ".join(f"{name} (" + (f"~{expected[name] / 60:.0f} min" if expected[name]
+                                    else "time unknown") + ")" for name in pending)
+         + (f"; expected about {schedule_seconds(list(expected.values()), jobs) / 60:.0f} "
+            "min" if all(expected.values()) else ""))
     running: dict[str, Child] = {}
     live: queue.Queue[tuple[str, str]] = queue.Queue()
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -372,6 +396,39 @@ def build_html(project: Project, echo: Callable[[str], None] = print) -> Path:
     return html
 
 
+def run_summary(results: list[RunResult], wall_seconds: float, cpu_seconds: float,
+                cores: int) -> list[str]:
+    """The lines :func:`build` prints once its chapters have run: one per chapter (its
+    wall time, the CPU time of its run with its kernel, the kernel's peak memory; or
+    "cached"), then the chapters' wall time against its floor on this machine, their CPU
+    seconds spread over the ``cores`` (``cpu_seconds``: every child run's, measured by
+    the build).
+
+    >>> ok = RunResult("hasse", "ok", 400.0, record={"cpu_seconds": 390.0,
+    ...                                                "peak_memory_gib": 1.5})
+    >>> for line in run_summary([ok, RunResult("sbm", "cached")], 410.0, 396.0, 2):
+    ...     print(line)
+    [summary] hasse: ok, wall 400.0 s, CPU 390.0 s, peak 1.50 GiB
+    [summary] sbm: cached
+    [summary] chapters: wall 410 s, CPU 396 s on 2 cores: 2.07x the floor of 198 s (CPU / cores)
+    """
+    lines = []
+    for result in results:
+        if result.status == "cached":
+            lines.append(f"[summary] {result.name}: cached")
+            continue
+        record = result.record or {}
+        cpu, peak = record.get("cpu_seconds"), record.get("peak_memory_gib")
+        lines.append(f"[summary] {result.name}: {result.status}, wall {result.seconds:.1f} s, "
+                     + (f"CPU {cpu:.1f} s" if isinstance(cpu, (int, float)) else "CPU unknown")
+                     + (f", peak {peak:.2f} GiB" if isinstance(peak, (int, float)) else ""))
+    floor = cpu_seconds / max(1, cores)
+    ratio = f"{wall_seconds / floor:.2f}x the floor" if floor > 0 else "no floor"
+    lines.append(f"[summary] chapters: wall {wall_seconds:.0f} s, CPU {cpu_seconds:.0f} s on "
+                 f"{cores} cores: {ratio} of {floor:.0f} s (CPU / cores)")
+    return lines
+
+
 def build(project: Project, *, scale: str | dict[str, str | None] | None = None,
           device: str | None = None, jobs: int = 1, chapters: list[str] | None = None,
           force: bool = False, timeout: float | None = None, nproc: int | None = None,
@@ -381,7 +438,8 @@ def build(project: Project, *, scale: str | dict[str, str | None] | None = None,
     ``scale`` is a ``--scale`` value (:func:`parse_scale_spec`: a scale, ``publish``, or
     ``CHAPTER=SCALE`` items) or a mapping chapter -> scale. ``timeout`` (seconds per
     cell) and ``nproc`` are passed to every run; an unavailable CUDA device is refused
-    before any chapter starts.
+    before any chapter starts. Once the chapters have run, :func:`run_summary`'s lines
+    give each one's wall time, CPU time and peak memory, and the total against its floor.
     """
     names = chapters or project.chapter_names()
     unknown = [n for n in names if not project.source(n).exists()]
@@ -399,8 +457,12 @@ def build(project: Project, *, scale: str | dict[str, str | None] | None = None,
     t0 = time.time()
     if any(scales.values()):
         echo("[scales] " + ", ".join(f"{n}={scales.get(n) or 'default'}" for n in names))
+    cpu_before = process_cpu_seconds()
     results = run_many(project, names, scale=scales, device=device, jobs=jobs, force=force,
                        timeout=timeout, nproc=nproc, echo=echo)
+    for line in run_summary(results, time.time() - t0, process_cpu_seconds() - cpu_before,
+                            os.cpu_count() or 1):
+        echo(line)
     failed = [r for r in results if r.status == "failed"]
     build_html(project, echo=echo)
     echo(f"[done {time.time() - t0:.1f}s] {len(results) - len(failed)} chapter(s) fresh, "

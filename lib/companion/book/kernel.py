@@ -50,6 +50,16 @@ WORKER_END_LIMIT_S = 300
 DEVICE_FILE = ".device"
 
 
+def process_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended:
+    the difference over a run is the run's CPU time, its kernel's included (jupyter_client
+    waits for the kernel it shuts down, and the kernel for its ``torchrun`` ranks)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def progress_seconds() -> float:
     """Seconds between two progress lines: ``$COMPANION_PROGRESS_SECONDS`` or 30."""
     text = os.environ.get(ENV_PROGRESS_SECONDS, "").strip()

@@ -106,8 +106,8 @@ from companion.book.interrupts import (  # noqa: F401 - re-exported: the runner'
 from companion.book.kernel import (  # noqa: F401 - re-exported: the runner's kernel API
     DEVICE_FILE, ENV_NPROC, ENV_PROGRESS_SECONDS, ENV_TEST_PAUSE_AT, PROGRESS_SECONDS,
     Execution, KernelTracker, Progress, code_cells, detected_device, execute_notebook,
-    execution_error, kernel_environment, kernel_variables, progress_line, progress_seconds,
-    test_pause
+    execution_error, kernel_environment, kernel_variables, process_cpu_seconds, progress_line,
+    progress_seconds, test_pause
 )
 from companion.book.notebook_cells import (  # noqa: F401 - re-exported: what a page gets
     BOX_TAG, ENV_INSTALL_SOURCE, ENV_PIP_ARGS, INSTALL_TAG, NOTEBOOK_EXTRAS, REMOVE_TAG,
@@ -309,7 +309,7 @@ def execute_run(spec: RunSpec, target: BookPage | OutFolder) -> RunResult:
         name=name, output_dir=staging.outputs, asset_url=target.asset_url(name),
         commit=commit, dirty=dirty, threads=spec.threads, nproc=spec.nproc,
         device_file=staging.device_file, params=params)
-    started = time.time()
+    started, cpu_before = time.time(), process_cpu_seconds()
     try:
         staging.outputs.mkdir(parents=True)
         write_notebook(spec.chapter.nb, staging.input_nb)
@@ -328,6 +328,7 @@ def execute_run(spec: RunSpec, target: BookPage | OutFolder) -> RunResult:
             executed = read_notebook_ipynb(staging.output_nb)
             record["device"] = detected_device(params["device"], staging.device_file)
         record.update(seconds=time.time() - started, finished=now_iso(),
+                      cpu_seconds=round(process_cpu_seconds() - cpu_before, 1),
                       peak_memory_gib=round(outcome.peak_bytes / 2**30, 3))
         raise_if_interrupted()
         if error is None:
