@@ -4,13 +4,16 @@ A chapter is a MyST-markdown notebook ``chapters/<name>.md`` (jupytext). Running
 
 1. reads it with jupytext and parses its ``parameters`` cell (the first code cell) into
    names and literal defaults; validates the requested parameters against them (an
-   unknown name, unknown scale or wrongly typed value is an error listing the valid ones);
-   Parameters other than the defaults replace the book's page, so the CLI refuses them
-   without ``--out`` (below) or ``--publish``;
+   unknown name, unknown scale or wrongly typed value is an error listing the valid ones;
+   a ``None`` default declares its type, ``name: str | None = None``). Parameters other
+   than the defaults replace the book's page, so the CLI refuses them without ``--out``
+   (below) or ``--publish``;
 2. skips the run when a cached good run has the same key (chapter source, ``lib/``
    sources, parameters, processes and installed package versions), unless forced;
 3. executes it with papermill into a private staging folder, the chapter writing its
-   figures, tables, claims and kernel log there (see :mod:`companion.book.records`). It
+   figures, tables, claims and kernel log there (see :mod:`companion.book.records`),
+   each with every parameter of the run (``$COMPANION_PARAMETERS``, which
+   ``begin_chapter`` reads: a parameter the chapter does not pass it is recorded too). It
    prints the log's path when it starts and, every :data:`PROGRESS_SECONDS`
    (``$COMPANION_PROGRESS_SECONDS``), the cell it is executing ("cell k of N");
 4. on success swaps the staging outputs into ``book/_generated/`` and finishes the
@@ -30,8 +33,9 @@ chapter at its scale (:func:`parse_scale_spec`; ``publish`` is :data:`PUBLISH_SC
 and relays each run's lines as they come; a chapter whose run is current costs no
 process (:func:`cached_run`), and jupyter-book is not started when nothing it reads or
 wrote has changed since its last good build (:func:`build_html`): a no-change rebuild
-takes seconds. ``--nproc N`` reaches the kernel as
-``$COMPANION_NPROC`` (:mod:`companion.parallel` reads it).
+takes seconds; it ends with a summary line per chapter (wall time, CPU time, peak
+memory) and the total against its floor, the CPU seconds over the cores. ``--nproc N``
+reaches the kernel as ``$COMPANION_NPROC`` (:mod:`companion.parallel` reads it).
 
 Faults and limits:
 
