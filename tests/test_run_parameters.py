@@ -46,6 +46,8 @@ def test_a_declared_type_checks_the_requested_value():
         resolve_parameters(defaults, {"limit": "many"}, types)
     with pytest.raises(ChapterError, match=r"parameter 'model': expected a str or None"):
         resolve_parameters(defaults, {"model": 3}, types)
+    with pytest.raises(ChapterError, match=r"parameter 'rate': expected a finite float"):
+        resolve_parameters({**defaults, "rate": 0.5}, {"rate": "1e999"})
     # an undeclared None default took anything; a declared type is checked
     assert coerce_parameter("model", "3", None) == 3
     assert coerce_parameter("model", "3", None, (str, type(None))) == "3"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -196,6 +197,10 @@ def coerce_parameter(name: str, value: Any, default: Any,
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        # no literal writes it: papermill could inject it, but the run's parameters
+        # could not be handed to the chapter as literals (chapter.encode_parameters)
+        raise ChapterError(f"parameter {name!r}: expected a finite float, got {value!r}")
     if kind is bool and not isinstance(value, bool):
         raise ChapterError(f"parameter {name!r}: expected a bool, got {value!r}")
     if kind is int and isinstance(value, bool):
