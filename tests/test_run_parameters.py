@@ -97,3 +97,27 @@ def test_begin_chapter_records_the_runs_parameters(tmp_path, monkeypatch):
     assert alone.params == {"scale": "smoke", "seed": 3, "device": "cpu"}
     with pytest.raises(ValueError, match="literal"):
         book_chapter.encode_parameters({"f": object()})
+
+
+def test_build_prints_its_schedule_and_a_summary_per_chapter(demo_project, monkeypatch):
+    """``build`` says how it schedules the chapters, then each chapter's wall time, CPU
+    time and peak memory, and the total against the CPU seconds over the cores."""
+    from companion.book import build
+
+    monkeypatch.setattr(build, "build_html", lambda project, echo: None)  # pages: elsewhere
+    lines: list[str] = []
+    assert build.build(demo_project, scale="smoke", jobs=2, echo=lines.append) == 0
+    schedule = [line for line in lines if line.startswith("[schedule]")]
+    assert len(schedule) == 1 and "longest first: demo (time unknown)" in schedule[0]
+    summary = [line for line in lines if line.startswith("[summary]")]
+    assert len(summary) == 2 and summary[0].startswith("[summary] demo: ok, wall "), summary
+    record = json.loads(demo_project.run_record("demo").read_text())
+    # the kernel imports torch: seconds of CPU, all of it counted (the kernel is reaped)
+    assert 0.5 < record["cpu_seconds"] and f"CPU {record['cpu_seconds']:.1f} s" in summary[0]
+    assert "on " in summary[1] and "the floor of" in summary[1]
+    # a second build finds the chapter current: no schedule, the chapter cached
+    lines.clear()
+    assert build.build(demo_project, scale="smoke", jobs=2, echo=lines.append) == 0
+    assert "[summary] demo: cached" in lines
+    assert "[summary] chapters: none ran, every one was current" in lines
+    assert not [line for line in lines if line.startswith("[schedule]")]

@@ -422,6 +422,8 @@ def run_summary(results: list[RunResult], wall_seconds: float, cpu_seconds: floa
         lines.append(f"[summary] {result.name}: {result.status}, wall {result.seconds:.1f} s, "
                      + (f"CPU {cpu:.1f} s" if isinstance(cpu, (int, float)) else "CPU unknown")
                      + (f", peak {peak:.2f} GiB" if isinstance(peak, (int, float)) else ""))
+    if all(result.status == "cached" for result in results):
+        return lines + ["[summary] chapters: none ran, every one was current"]
     floor = cpu_seconds / max(1, cores)
     ratio = f"{wall_seconds / floor:.2f}x the floor" if floor > 0 else "no floor"
     lines.append(f"[summary] chapters: wall {wall_seconds:.0f} s, CPU {cpu_seconds:.0f} s on "
