@@ -256,18 +256,17 @@ def refuse_non_default(name: str, params: dict[str, Any], defaults: dict[str, An
 class Staging:
     """The private folder one run of chapter ``name`` executes in, and its files.
 
-    ``outputs`` is where the chapter writes its figures, tables and claims;
-    ``input_name`` the file name of the notebook papermill reads.
+    ``outputs`` is where the chapter writes its figures, tables and claims. The notebook
+    papermill reads is removed once it has run, before the target takes the folder.
     """
 
     folder: Path
     name: str
     outputs: Path
-    input_name: str
 
     @property
     def input_nb(self) -> Path:
-        return self.folder / self.input_name
+        return self.folder / f"{self.name}.input.ipynb"
 
     @property
     def output_nb(self) -> Path:
@@ -378,7 +377,7 @@ class BookPage:
         remove_dead_staging(project, name)
         folder = (project.generated / ".staging"
                   / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        return Staging(folder, name, folder / "assets", f"{name}.input.ipynb")
+        return Staging(folder, name, folder / "assets")
 
     def asset_url(self, name: str) -> str:
         return f"../assets/{name}"
@@ -444,7 +443,7 @@ class OutFolder:
         """A staging folder inside the out folder, which becomes its contents."""
         self.folder.mkdir(parents=True, exist_ok=True)
         staging = self.folder / f".staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        return Staging(staging, spec.name, staging, f".{spec.name}.input.ipynb")
+        return Staging(staging, spec.name, staging)
 
     def asset_url(self, name: str) -> str:
         return "."
