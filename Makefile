@@ -70,7 +70,7 @@ book: setup
 	$(CHECK_HTML)
 
 # The book a reader sees online: each chapter at the largest scale it reaches on a CPU
-# (lib/companion/book/runner.py, PUBLISH_SCALES: paper for hasse, gradient_flow and
+# (lib/companion/book/parameters.py, PUBLISH_SCALES: paper for hasse, gradient_flow and
 # context_similarity, ci for sbm_transformer). `make publish NPROC=4` runs the chapters'
 # scale-out (corpus pass, LRA training) with 4 processes.
 publish: setup

@@ -220,7 +220,7 @@ def held_by_another_run(project, name: str) -> bool:
 
     from companion.book import runner
 
-    lock = runner._chapter_lock_file(project, name)
+    lock = runner.chapter_lock_file(project, name)
     try:
         lock.acquire(blocking=False)
     except filelock.Timeout:

@@ -199,25 +199,25 @@ def test_check_book_bad_poll_seconds_names_the_parameter(poll, tmp_path):
 def test_a_page_is_parsed_once_for_all_its_checks(tmp_path, monkeypatch):
     """page_problems and linked_files share one parse of a page (the tree is read only):
     the same answers as parsing afresh for every check, with one parse instead of six."""
-    from companion.book import htmlcheck
+    from companion.book import htmlcheck, htmlpage
 
     page = ("<p>see /home/someone/x.json</p>" + _figure("fig-a") + _table("tab-b")
             + '<details class="cite-line" data-cite-for="fig-a"><summary><a href="a.png">'
             "PNG</a></summary></details>"
             + '<div class="cell tag_parameters"><pre>n = 1</pre></div><a href="gone.pdf">x</a>')
-    htmlcheck._tree.cache_clear()
+    htmlpage.page_tree.cache_clear()
     feeds = []
-    real_feed = htmlcheck._Tree.feed
-    monkeypatch.setattr(htmlcheck._Tree, "feed",
+    real_feed = htmlpage.PageTree.feed
+    monkeypatch.setattr(htmlpage.PageTree, "feed",
                         lambda self, data: (feeds.append(len(data)), real_feed(self, data))[1])
     shared = (page_problems(page, "book/p.html", tmp_path, chapter_page=True),
               htmlcheck.linked_files(page, "book/p.html"))
     assert len(feeds) == 1
     afresh = []
     for _ in range(2):  # a new parse for every call: the uncached function
-        htmlcheck._tree.cache_clear()
+        htmlpage.page_tree.cache_clear()
         afresh.append(page_problems(page, "book/p.html", tmp_path, chapter_page=True))
-        htmlcheck._tree.cache_clear()
+        htmlpage.page_tree.cache_clear()
         afresh.append(htmlcheck.linked_files(page, "book/p.html"))
     assert shared == tuple(afresh[:2]) and afresh[:2] == afresh[2:]
     assert any("local absolute paths" in p for p in shared[0])

@@ -390,12 +390,12 @@ def test_record_device_is_what_the_chapter_resolved(ran_demo_project, tmp_path):
     assert record["device"] == expected and record["parameters"]["device"] == "auto"
     told = tmp_path / "device"
     told.write_text("cuda")
-    assert runner._detected_device("auto", told) == "cuda"
-    assert runner._detected_device("cpu", told) == "cpu"
-    assert runner._detected_device("cuda:1", told) == "cuda:1"
+    assert runner.detected_device("auto", told) == "cuda"
+    assert runner.detected_device("cpu", told) == "cpu"
+    assert runner.detected_device("cuda:1", told) == "cuda:1"
     told.write_text("a chapter's garbage")
-    assert runner._detected_device("auto", told) == expected
-    assert runner._detected_device("auto", tmp_path / "never-written") == expected
+    assert runner.detected_device("auto", told) == expected
+    assert runner.detected_device("auto", tmp_path / "never-written") == expected
 
 
 def test_cli_refuses_non_default_parameters_into_the_book(demo_project):
@@ -456,7 +456,7 @@ def test_build_reports_a_current_chapter_cached_without_a_process(ran_demo_proje
 
     p = ran_demo_project
     record = json.loads(p.run_record("demo").read_text())
-    params = runner._prepare(p, "demo", "smoke", None, None)[3]
+    params = runner.prepare_chapter(p, "demo", "smoke").params
     # current even if lib/ changed since the run (other work in the same tree)
     record["cache_key"] = runner.cache_key(p, "demo", params)
     p.run_record("demo").write_text(json.dumps(record))
@@ -479,7 +479,7 @@ def test_a_child_runs_status_is_its_result_file_not_its_words(tmp_path, demo_pro
         proc = subprocess.Popen([sys.executable, "-c", f"print({words!r})"],
                                 stdout=subprocess.PIPE, text=True)
         out = proc.communicate()[0]
-        return runner._Child(proc, time.time(), threading_done(), [out], path)
+        return runner.Child(proc, time.time(), threading_done(), [out], path)
 
     def threading_done():
         import threading
@@ -489,23 +489,23 @@ def test_a_child_runs_status_is_its_result_file_not_its_words(tmp_path, demo_pro
         return thread
 
     ok = finished_child("[cached] demo: unchanged", runner.RunResult("demo", "ok", 1.0))
-    assert runner._child_result(demo_project, "demo", ok, quiet).status == "ok"
+    assert runner.child_result(demo_project, "demo", ok, quiet).status == "ok"
     cached = finished_child("done", runner.RunResult("demo", "cached"))
-    assert runner._child_result(demo_project, "demo", cached, quiet).status == "cached"
+    assert runner.child_result(demo_project, "demo", cached, quiet).status == "cached"
     silent = finished_child("[cached] demo", None)
-    assert runner._child_result(demo_project, "demo", silent, quiet).status == "failed"
+    assert runner.child_result(demo_project, "demo", silent, quiet).status == "failed"
     assert runner.read_result_file(tmp_path / "missing.json") is None
 
 
 def test_the_book_sources_state_follows_every_file_but_logs_and_locks(demo_project):
     p = demo_project
     (p.generated / "logs").mkdir(parents=True)
-    before = runner._book_sources_state(p)
-    assert runner._book_sources_state(p) == before
+    before = runner.book_sources_state(p)
+    assert runner.book_sources_state(p) == before
     (p.generated / "logs" / "jupyter-book.log").write_text("a log")
     (p.build_dir / "html").mkdir(parents=True)
     (p.build_dir / "html" / "index.html").write_text("built")
-    assert runner._book_sources_state(p) == before, "logs and the build are not sources"
+    assert runner.book_sources_state(p) == before, "logs and the build are not sources"
     page = p.root / "book" / "intro.md"
     page.write_text(page.read_text() + "\nMore.\n")
-    assert runner._book_sources_state(p) != before
+    assert runner.book_sources_state(p) != before

@@ -223,7 +223,7 @@ def test_nested_guard_raises_a_signal_recorded_before_it():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        interrupts._INTERRUPT.signum = None
+        interrupts.forget_interrupt()
 
 
 def test_an_interrupt_waits_for_papermills_thread_to_end(monkeypatch, tmp_path):
@@ -241,7 +241,7 @@ def test_an_interrupt_waits_for_papermills_thread_to_end(monkeypatch, tmp_path):
     kernel_killed = threading.Event()
     papermill_ended = threading.Event()
 
-    class Tracker:  # stands for runner._KernelTracker: no kernel is started
+    class Tracker:  # stands for runner.KernelTracker: no kernel is started
         peak_bytes = 0
 
         def manager_class(self):
@@ -259,16 +259,16 @@ def test_an_interrupt_waits_for_papermills_thread_to_end(monkeypatch, tmp_path):
         sum(range(3_000_000))  # papermill's work after the kernel's death (its last write)
         papermill_ended.set()
 
-    monkeypatch.setattr(runner, "_KernelTracker", Tracker)
     monkeypatch.setattr(papermill, "execute_notebook", execute_notebook)
     try:
         with pytest.raises(runner.RunInterrupted):
             with runner.interrupt_guard():
-                runner._execute_notebook(tmp_path / "in.ipynb", tmp_path / "out.ipynb",
-                                         tmp_path / "run.log", {}, tmp_path, timeout=60)
+                runner.execute_notebook(tmp_path / "in.ipynb", tmp_path / "out.ipynb",
+                                        tmp_path / "run.log", {}, tmp_path, timeout=60,
+                                        tracker=Tracker())
         assert papermill_ended.is_set(), "returned while papermill's thread still ran"
     finally:
-        interrupts._INTERRUPT.signum = None
+        interrupts.forget_interrupt()
 
 
 def test_interrupt_during_publishing_publishes_everything(interrupt_project, tmp_path):

@@ -12,7 +12,11 @@ What a chapter uses:
 
 What builds the book:
 
-- ``runner``, ``cli``: execute chapters and build the book; ``project``: the project's
+- ``runner``, ``cli``: execute a chapter (one run path for the book and ``--out``) and
+  build the book, with ``parameters`` (the parameters cell, coercion, scales),
+  ``cache`` (the cache key, the chapter's lock), ``notebook_cells`` (what the runner
+  adds to a notebook), ``kernel`` (execution, progress, limits) and ``build`` (the
+  parallel build, its summary, the HTML); ``project``: the project's
   places and the records both the runner and the pages read; ``pages`` (figure index,
   reproduction report); ``myst``: every MyST string the book writes; ``citations``
   (BibTeX, the Cite line); ``htmlcheck`` (browser check), ``htmlcheck_cache`` (the

@@ -9,6 +9,7 @@ variables below) where to write; run by hand, outputs go to
 """
 from __future__ import annotations
 
+import ast
 import os
 import random
 import re
@@ -30,6 +31,38 @@ ENV_THREADS = "COMPANION_TORCH_THREADS"
 # A file the chapter writes the device it resolved into ("cpu", "cuda"): the run record's
 # device, without the runner importing torch (about 2 s) to learn what "auto" became.
 ENV_DEVICE_FILE = "COMPANION_DEVICE_FILE"
+# Every parameter of the run as papermill injected it (coerced), a Python literal: what
+# begin_chapter records, so that a parameter not passed to it is recorded all the same.
+ENV_PARAMETERS = "COMPANION_PARAMETERS"
+
+
+def encode_parameters(params: dict[str, Any]) -> str:
+    """``params`` as the runner hands them to the chapter (:data:`ENV_PARAMETERS`): a
+    Python literal, so that a tuple stays a tuple.
+
+    >>> run_parameters(encode_parameters({"seed": 0, "sizes": (1, 2), "model": None}))
+    {'seed': 0, 'sizes': (1, 2), 'model': None}
+    """
+    text = repr(dict(params))
+    try:
+        same = ast.literal_eval(text) == params
+    except (ValueError, SyntaxError):
+        same = False
+    if not same:
+        raise ValueError(f"parameters: expected literal values, got {params!r}")
+    return text
+
+
+def run_parameters(text: str | None = None) -> dict[str, Any]:
+    """The run's parameters the runner handed over (``text``, default
+    ``$COMPANION_PARAMETERS``); empty outside the runner."""
+    text = os.environ.get(ENV_PARAMETERS, "") if text is None else text
+    if not text.strip():
+        return {}
+    params = ast.literal_eval(text)
+    if not isinstance(params, dict):
+        raise ValueError(f"{ENV_PARAMETERS}: expected a dict literal, got {text[:80]!r}")
+    return params
 
 
 @dataclass
@@ -106,9 +139,11 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
     Parameters
     ----------
     name : the chapter's file stem (``"hasse"``, ``"gradient_flow"``, ...).
-    **params : every parameter of the chapter's ``parameters`` cell. ``scale`` (one of
-        "smoke", "ci", "paper"), ``seed`` (int) and ``device`` ("auto", "cpu", "cuda")
-        are required.
+    **params : the chapter's parameters. ``scale`` (one of "smoke", "ci", "paper"),
+        ``seed`` (int) and ``device`` ("auto", "cpu", "cuda") are required. Under the
+        runner, every parameter of the run (``$COMPANION_PARAMETERS``: what papermill
+        injected) is recorded besides, whether passed here or not; a value passed here
+        wins.
 
     Returns
     -------
@@ -144,6 +179,7 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
             f"name: the runner executes chapter {env_chapter!r} but the notebook calls "
             f"begin_chapter({name!r})"
         )
+    recorded = {**(run_parameters() if env_chapter else {}), **params}
     output_dir, asset_url = _output_location(name)
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -154,7 +190,7 @@ def begin_chapter(name: str, **params: Any) -> Chapter:
         torch.set_num_threads(max(1, int(os.environ[ENV_THREADS])))
     set_figure_style()
 
-    _ACTIVE = Chapter(name=name, params=dict(params), output_dir=output_dir,
+    _ACTIVE = Chapter(name=name, params=recorded, output_dir=output_dir,
                       asset_url=asset_url, device=device)
     return _ACTIVE
 

@@ -4,7 +4,8 @@ has changed.
 A passing check of a page (:func:`companion.book.htmlcheck.check_book`) is recorded under
 a key: the SHA-256 of
 
-- the checker: the source of :mod:`companion.book.htmlcheck` and of this module (what is
+- the checker: the source of :mod:`companion.book.htmlcheck`, of
+  :mod:`companion.book.htmlpage` (its HTML rules) and of this module (what is
   checked, the widths, the scripts run in the page), the Chromium and chromedriver
   versions (their ``--version``), the paths they were found at, the selenium and
   Python versions, and the system's font files (names, sizes and times: text widths,

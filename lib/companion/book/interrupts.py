@@ -27,8 +27,9 @@ from typing import Any
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-__all__ = ["INTERRUPT_SIGNALS", "RunInterrupted", "install_interrupt_handlers",
-           "interrupt_guard", "interrupted_signal", "raise_if_interrupted", "signals_deferred"]
+__all__ = ["INTERRUPT_SIGNALS", "RunInterrupted", "forget_interrupt",
+           "install_interrupt_handlers", "interrupt_guard", "interrupted_signal",
+           "raise_if_interrupted", "signals_deferred"]
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -83,7 +84,7 @@ def interrupt_guard():
     paths (re-running the event loop to shut the kernel down, retrying interrupted
     calls) can replace or lose it; and SIGTERM would kill the process without clean-up.
     Here both signals set a record first and then raise :class:`RunInterrupted`; the
-    notebook runs in a worker thread (``runner._execute_notebook``), so the main thread,
+    notebook runs in a worker thread (``kernel.execute_notebook``), so the main thread,
     where Python runs signal handlers, only waits in our own code when one arrives.
     The record is checked again before publishing and when the guard exits, so even a
     swallowed exception cannot turn an interrupted run into a success.
@@ -123,3 +124,9 @@ def signals_deferred():
 def interrupted_signal() -> int | None:
     """The signal number recorded so far in this process (None when none)."""
     return _INTERRUPT.signum
+
+
+def forget_interrupt() -> None:
+    """Forget the signal recorded in this process: for a test that sent one to itself and
+    goes on in the same process (a run never does)."""
+    _INTERRUPT.signum = None
