@@ -193,3 +193,12 @@ def test_placeholder_addresses_show_no_repository_link():
         "repository_url": "https://github.com/o/r", "use_repository_button": True})
     book_assets._hide_placeholder_links(None, real)
     assert real.html_theme_options["use_repository_button"] is True
+
+
+def test_inventory_table_links_each_claim_with_a_title():
+    """A {ref} to a claim box needs explicit link text: the box has no title Sphinx reads."""
+    table = myst.inventory_table([{"id": "demo-s1", "quote": "It is small.",
+                                   "place": "abstract", "status": "tested",
+                                   "claims": ["demo-a"], "verdicts": {"demo-a": "differs"},
+                                   "not_comparable": ""}])
+    assert "{ref}`demo-a <demo-a>`: differs" in table

@@ -228,7 +228,7 @@ def inventory_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         if r["status"] == "tested":
-            how = "; ".join(f"{role('ref', c)}: {v}" for c, v in r["verdicts"].items())
+            how = "; ".join(f"{role('ref', f'{c} <{c}>')}: {v}" for c, v in r["verdicts"].items())
         elif r["status"] == "not comparable":
             how = f"not comparable: {r['not_comparable']}"
         else:
