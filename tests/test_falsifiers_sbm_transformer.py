@@ -217,3 +217,16 @@ def test_density_span_interval_is_calibrated_over_initialisations():
     lo, hi = PM.density_extremes(seed=0, **kw)["interval"]
     inside = [lo <= PM.density_extremes(seed=s, **kw)["span"] <= hi for s in range(1, 5)]
     assert sum(inside) >= 3, inside
+
+
+def test_compare_accuracy_floor_is_the_model_without_attention_when_higher():
+    rng = np.random.default_rng(1)
+    dense = (rng.random((3, 200)) < 0.6).astype(float)
+    sbm = (rng.random((3, 200)) < 0.6).astype(float)
+    # 0.6 clears a majority class of 0.3 by 10 points, not a no-attention model at 0.55
+    assert PM.compare_accuracy(sbm, dense, 0.3, reps=REPS).comparable
+    cmp = PM.compare_accuracy(sbm, dense, 0.3, no_attention=0.55, reps=REPS)
+    assert not cmp.comparable and cmp.floor == 0.55
+    assert "nearly no attention" in cmp.reason
+    # a no-attention model below the majority class leaves the majority class the floor
+    assert PM.compare_accuracy(sbm, dense, 0.3, no_attention=0.1, reps=REPS).floor == 0.3

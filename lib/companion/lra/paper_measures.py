@@ -54,10 +54,11 @@ def _seeds_items(name: str, x) -> np.ndarray:
 class AccuracyComparison:
     """SBM minus dense test accuracy, and whether it can be judged at this size.
 
-    ``comparable`` is False when the dense model's accuracy interval does not clear the
-    majority class by ``margin``: then neither model has learned the task beyond
-    guessing the most frequent answer, and the difference says nothing about attention;
-    ``reason`` says so with the numbers.
+    ``comparable`` is False when the dense model's accuracy interval does not clear its
+    ``floor`` by ``margin``: the majority class, or a model with nearly no attention
+    where one was trained. Then attention has not been shown to matter for the task at
+    this size, and the difference says nothing about it; ``reason`` says so with the
+    numbers.
     """
 
     difference: float
@@ -67,21 +68,26 @@ class AccuracyComparison:
     dense_interval: tuple[float, float]
     majority: float
     margin: float
+    floor: float
+    floor_name: str
     comparable: bool
     reason: str
 
 
 def compare_accuracy(sbm_correct, dense_correct, majority: float, *, margin: float = 0.10,
-                     reps: int = 1000, seed: int = 0) -> AccuracyComparison:
+                     no_attention: float | None = None, reps: int = 1000,
+                     seed: int = 0) -> AccuracyComparison:
     """SBM minus dense accuracy over training seeds and test items, gated by learning.
 
     Parameters
     ----------
     sbm_correct, dense_correct : ``[seeds, test items]`` 0/1 arrays (the same items).
     majority : accuracy of always answering the test split's most frequent class.
-    margin : how far above ``majority`` the dense model's whole interval must lie for the
-        comparison to say anything about the attention (ours: the 10 points of the
-        chapter's above-chance checks).
+    margin : how far above its floor (``majority``, or ``no_attention`` when higher) the
+        dense model's whole interval must lie for the comparison to say anything about
+        the attention (ours: the 10 points of the chapter's above-chance checks).
+    no_attention : optional accuracy of a model with nearly no attention (an SBM model
+        trained under a large density penalty): what the task gives without attention.
     reps, seed : bootstrap replicates and seed (seeds and items resampled, paired).
 
     >>> right = np.ones((2, 40)); half = np.tile([0.0, 1.0], (2, 20))
@@ -98,21 +104,26 @@ def compare_accuracy(sbm_correct, dense_correct, majority: float, *, margin: flo
                          f"{s.shape[1]} and {d.shape[1]}")
     majority = check_number("majority", majority, minimum=0.0, maximum=1.0)
     margin = check_number("margin", margin, minimum=0.0, maximum=1.0)
+    floor, floor_name = majority, "the majority class"
+    if no_attention is not None:
+        no_attention = check_number("no_attention", no_attention, minimum=0.0, maximum=1.0)
+        if no_attention > majority:
+            floor, floor_name = no_attention, "a model with nearly no attention"
     if s.shape[0] != d.shape[0]:  # unpaired seeds: resample each side's items alone
         diff_ci = _difference_interval(s, d, reps, seed)
     else:
         diff_ci = bootstrap(lambda a: a["s"].mean() - a["d"].mean(), {"s": s, "d": d},
                             reps=reps, seed=seed)
     dense_ci = bootstrap(lambda a: a["d"].mean(), {"d": d}, reps=reps, seed=seed)
-    comparable = dense_ci[0] >= majority + margin
+    comparable = dense_ci[0] >= floor + margin
     reason = "" if comparable else (
         f"the dense model's accuracy {d.mean():.3f} (95 % interval [{dense_ci[0]:.3f}, "
-        f"{dense_ci[1]:.3f}]) does not clear the majority class {majority:.3f} by "
-        f"{margin:.2f}: neither model has learned the task at this size, so their "
-        f"difference says nothing about the attention")
+        f"{dense_ci[1]:.3f}]) does not clear {floor_name} ({floor:.3f}) by {margin:.2f}: "
+        f"at this size attention has not been shown to matter for the task, so the two "
+        f"models' difference says nothing about it")
     return AccuracyComparison(float(s.mean() - d.mean()), diff_ci, float(s.mean()),
-                              float(d.mean()), dense_ci, majority, margin, comparable,
-                              reason)
+                              float(d.mean()), dense_ci, majority, margin, floor,
+                              floor_name, comparable, reason)
 
 
 def _difference_interval(s, d, reps, seed):
