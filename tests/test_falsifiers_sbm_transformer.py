@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from falsify import assert_flips, falsifies, verdict
+from falsify import assert_flips, falsifies
 
 from companion.lra import experiments, listops, pathfinder
 from companion.lra import paper_measures as PM
