@@ -169,8 +169,8 @@ def test_gpu_paper_sbm_tiny_end_to_end(ran_scripts, tmp_path):
     assert result["device"] in caption and result["commit"][:7] in caption
     assert list(df["test accuracy"]) == [round(r["test_accuracy"], 3) for r in result["runs"]]
     shown = _chapter_gpu_cell(tmp_path / "empty-repo", None)
-    assert not shown["tables"] and shown["text"][0].startswith("Not run for this build: `python "
-                                                              "benchmarks/gpu_paper_sbm.py` on a GPU")
+    assert not shown["tables"] and shown["text"][0].startswith(
+        "Not run for this build: `python benchmarks/gpu_paper_sbm.py` on a GPU")
 
 
 def _chapter_gpu_cell(root, result):
