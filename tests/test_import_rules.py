@@ -4,7 +4,8 @@ A reader who takes the code of a chapter (``companion.hasse``,
 ``companion.context_similarity``, ``companion.gradient_flow``, ``companion.sbm``,
 ``companion.lra``) takes it without papermill, Sphinx or the runner: those packages may
 import each other, torch, numpy and the shared modules at the top of ``companion``
-(argument checks, devices, timing, scale-out, corpora, model checkpoints), but never ``companion.book``.
+(argument checks, devices, timing, scale-out, corpora, model checkpoints), but never
+``companion.book``.
 Checked on the source (every ``import``, at module level or inside a function), so a lazy
 import counts too.
 """

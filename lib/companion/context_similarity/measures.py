@@ -144,7 +144,8 @@ def evaluate(sums: WindowSums, fn: Callable, *args, level: float = 0.95, **kwarg
     """``fn(sums, *args, **kwargs)`` on all windows, and its ``level`` percentile interval
     over the bootstrap replicates of the windows.
 
-    >>> w = {"n_high": torch.ones(4, 1, 1), "same_sentence": torch.tensor([1., 0, 1, 1])[:, None, None]}
+    >>> w = {"n_high": torch.ones(4, 1, 1),
+    ...      "same_sentence": torch.tensor([1., 0, 1, 1])[:, None, None]}
     >>> m = evaluate(WindowSums(w, reps=200, seed=0), same_sentence_fraction)
     >>> m.value, 0 <= m.interval[0] <= 0.75 <= m.interval[1] <= 1
     (0.75, True)

@@ -672,7 +672,8 @@ def _distance_bins_w(b: PairBatch):
 def _chance_distance_bins_w(b: PairBatch):
     n_bins = n_distance_bins(b.length)
     d = torch.arange(b.length, device=b.device)
-    one_hot = (log2_bin(d, n_bins)[:, None] == torch.arange(n_bins, device=b.device)) & (d >= 1)[:, None]
+    one_hot = ((log2_bin(d, n_bins)[:, None] == torch.arange(n_bins, device=b.device))
+               & (d >= 1)[:, None])
     by_bin = b.pairs_by_distance @ one_hot.double()  # [B, D]
     return b.k.double()[:, None] * by_bin / b.n_pairs[:, None]
 

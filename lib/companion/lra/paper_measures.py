@@ -24,7 +24,8 @@ from companion.lra.experiments import bootstrap, loglog_slope, model_flops, spea
 
 __all__ = ["LRA_LENGTHS", "PAPER_MODEL", "SAMPLERS", "AccuracyComparison",
            "compare_accuracy", "mean_density", "density_change",
-           "density_difficulty_correlation", "inference_flops", "inference_memory", "cost_ratio_at_length", "density_extremes",
+           "density_difficulty_correlation", "inference_flops", "inference_memory",
+           "cost_ratio_at_length", "density_extremes",
            "cost_against_edges"]
 
 # sequence lengths of the LRA tasks in the authors' lra_config (ListOps 2000 tokens,
