@@ -202,3 +202,18 @@ def test_inventory_table_links_each_claim_with_a_title():
                                    "claims": ["demo-a"], "verdicts": {"demo-a": "differs"},
                                    "not_comparable": ""}])
     assert "{ref}`demo-a <demo-a>`: differs" in table
+
+
+def test_a_declared_claim_not_comparable_in_this_run_says_why(demo_chapter):
+    from companion.book import claim, record_inventory
+
+    rec = claim("demo-ours", None, not_comparable="the baseline does not clear chance",
+                statement="Not judged.")
+    assert rec["verdict"] == "not comparable" and rec["measured"] is None
+    assert "Not compared in this run: the baseline does not clear chance" in myst.claim_box(rec)
+    row = next(r for r in record_inventory()["statements"] if r["id"] == "demo-s1")
+    assert row["verdicts"] == {"demo-ours": "not comparable"}
+    counts = findings.coverage_counts({"statements": [row]})
+    assert counts["tested"] == 0 and counts["not comparable"] == 1
+    with pytest.raises(ValueError, match="not_comparable"):
+        claim("demo-theirs", None, not_comparable=" ", statement="S.")

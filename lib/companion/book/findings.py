@@ -75,9 +75,14 @@ def coverage_counts(inventory: dict) -> Counter:
     counts: Counter = Counter()
     for row in inventory.get("statements", []):
         counts["statements"] += 1
-        counts[row["status"]] += 1
-        if row["status"] == "tested":
-            counts[statement_outcome(row)] += 1
+        outcome = statement_outcome(row)
+        if row["status"] == "tested" and outcome != "not comparable":
+            counts["tested"] += 1
+            counts[outcome] += 1
+        elif outcome == "not comparable":  # by nature, or its claims could not be judged
+            counts["not comparable"] += 1
+        else:
+            counts[row["status"]] += 1
     return counts
 
 
@@ -152,10 +157,12 @@ def _short(text: str, limit: int = 160) -> str:
 
 def _statement_item(row: dict[str, Any], outcome: str) -> str:
     quote = _short(row["quote"])
-    if outcome == "not comparable":
-        return f"- “{quote}” ({row['place']}): {myst.one_line(row['not_comparable'])}"
     links = ", ".join(myst.role("ref", f"{verdict} <{cid}>")
                       for cid, verdict in row.get("verdicts", {}).items())
+    if outcome == "not comparable" and not links:
+        return f"- “{quote}” ({row['place']}): {myst.one_line(row['not_comparable'])}"
+    if outcome == "not comparable":  # its claims could not be judged in this run: why
+        return f"- “{quote}” ({row['place']}): not judged in this run, see {links}"
     if outcome == "not run at this scale":
         return f"- “{quote}” ({row['place']}): tested by {', '.join(row['claims'])}"
     return f"- “{quote}” ({row['place']}): {links}"

@@ -201,6 +201,9 @@ def claim_box(record: dict[str, Any]) -> str:
         else:
             lines.append(f"We require {rule}: a tolerance of ours, because "
                          f"{record['threshold_reason']}; {_measured_words(record)}.")
+        if record.get("not_comparable"):
+            lines[-1] = (f"Not compared in this run: {record['not_comparable']}. "
+                         f"The rule, where it is compared: {rule}.")
         if record.get("set_after_result"):
             lines.append(f"This tolerance was set after a result was seen "
                          f"({record['set_after_result']}).")

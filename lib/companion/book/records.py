@@ -257,7 +257,8 @@ _UNSET = object()
 
 def claim(claim_id: str, measured: Any, *, paper: Any = _UNSET, tolerance: Any = None,
           reference: str | None = None, kind: str | None = None, statement: str,
-          interval: Any = None, role: str = "paper", evidence: Any = None) -> dict[str, Any]:
+          interval: Any = None, role: str = "paper", evidence: Any = None,
+          not_comparable: str | None = None) -> dict[str, Any]:
     """Record a checked statement and show it on the chapter page.
 
     A paper claim (``role="paper"``) is declared in the chapter's inventory
@@ -288,6 +289,10 @@ def claim(claim_id: str, measured: Any, *, paper: Any = _UNSET, tolerance: Any =
         fails / inconclusive, never counted as a reproduction.
     evidence : optional id (or list of ids) of the figures and tables of this chapter
         that support the claim; the reproduction report links to them.
+    not_comparable : for a declared paper claim that this run cannot judge, why (e.g. "the
+        dense model does not clear the majority class by 10 points at this size"): the
+        verdict is "not comparable", ``measured`` may be None, and the box and the
+        inventory say why instead of leaving the statement untested.
 
     Returns
     -------
@@ -338,7 +343,13 @@ def claim(claim_id: str, measured: Any, *, paper: Any = _UNSET, tolerance: Any =
     if interval is not None:
         interval = check_interval(interval)
     evidence = _check_evidence(evidence, chapter)
-    verdict = judge_claim(measured, paper, tolerance, kind, interval=interval)
+    if not_comparable is not None:
+        if declared is None or not str(not_comparable).strip():
+            raise ValueError("not_comparable: expected the reason why a declared paper claim "
+                             "cannot be judged in this run")
+        verdict = "not comparable"
+    else:
+        verdict = judge_claim(measured, paper, tolerance, kind, interval=interval)
     if role == "check":
         if verdict == "not comparable":
             raise ValueError("paper: a check needs the threshold it is judged against")
@@ -347,6 +358,7 @@ def claim(claim_id: str, measured: Any, *, paper: Any = _UNSET, tolerance: Any =
         "id": claim_id, "type": "claim", "role": role, "statement": myst.one_line(statement),
         "reference": reference, "kind": kind, "paper": paper, "measured": measured,
         "interval": interval, "tolerance": tolerance, "verdict": verdict,
+        "not_comparable": myst.one_line(not_comparable) if not_comparable else None,
         "evidence": evidence, **_declaration(declared, role), **_provenance(chapter),
     })
     atomic_write_text(chapter.output_dir / "claims" / f"{claim_id}.json", dumps(record))
