@@ -220,7 +220,7 @@ STATEMENTS: list[Statement] = [
         claims=("gradient-flow-edi-first-order-multihead", "gradient-flow-edi-ou-h100")),
     Statement(
         id="gradient-flow-stmt-wm2-equivalent",
-        quote="the weighted distance W_{m,2} and the classical 2-Wasserstein distance are "
+        quote="the weighted distance Wₘ,₂ and the classical 2-Wasserstein distance are "
               "equivalent, so the space is complete and compact",
         source="secondary summary", place="(secondary summary), methodology 2",
         not_comparable="a theorem about a distance we do not compute (its dynamic form "
