@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -18,3 +19,169 @@ def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
+
+
+SCIENCE_PACKAGES = ("hasse", "context_similarity", "gradient_flow", "sbm", "lra")
+
+# Public names (relative to ``companion``) whose docstring has no ``>>>`` example yet, each with
+# its reason. Keep it short: an entry that gains an example must leave it (the test says so).
+WITHOUT_EXAMPLE = {
+    "hasse.long_sequences.PackedOrderStructure": "no example yet",
+    "hasse.masked_transformer.MaskedTransformer": "no example yet",
+    "hasse.masked_transformer.init_masked_transformer": "no example yet",
+    "hasse.masked_transformer.masked_transformer": "no example yet",
+    "hasse.masked_transformer.dependency_pattern": "no example yet",
+    "hasse.masked_transformer.embed_task_inputs": "no example yet",
+    "hasse.masked_transformer.token_dependencies": "no example yet",
+    "hasse.masked_transformer.incremental_forward": "no example yet",
+    "hasse.masked_transformer.block_two_stream_schedule": "no example yet",
+    "hasse.masked_transformer.flex_vs_sdpa": "no example yet",
+    "hasse.paper_measures.jacobian_mismatches": "no example yet",
+    "hasse.paper_measures.sparse_network_mismatches": "no example yet",
+    "hasse.paper_measures.own_token_gradient_holds": "no example yet",
+    "hasse.paper_measures.train_inference_gap": "no example yet",
+    "hasse.paper_measures.block_generation_family_one_class": "no example yet",
+    "hasse.paper_measures.bidirectional_family_one_class": "no example yet",
+    "hasse.paper_measures.supervised_bidirectional_family": "no example yet",
+    "hasse.paper_measures.embedded_tasks": "no example yet",
+    "hasse.paper_measures.merge_is_minimal": "no example yet",
+    "hasse.paper_measures.token_supervision_density": "no example yet",
+    "hasse.paper_measures.leaking_positions": "no example yet",
+    "hasse.task_merge.self_leakage": "no example yet",
+    "context_similarity.capture.CaptureSettings": "no example yet",
+    "context_similarity.capture.HeadOutputs": "no example yet",
+    "context_similarity.capture.wo_gram": "no example yet",
+    "context_similarity.capture.BatchResult": "no example yet",
+    "context_similarity.capture.analyse_batch": "no example yet",
+    "context_similarity.corpus.checkpoint_dir": "no example yet",
+    "context_similarity.corpus.checkpoint_key": "no example yet",
+    "context_similarity.encoder.ModelNotFoundError": "no example yet",
+    "context_similarity.encoder.default_model_path": "no example yet",
+    "context_similarity.encoder.output_projection": "no example yet",
+    "context_similarity.encoder.encoder_layers": "no example yet",
+    "context_similarity.encoder.load_encoder": "no example yet",
+    "context_similarity.encoder.separator_ids": "no example yet",
+    "context_similarity.measures.Measured": "no example yet",
+    "context_similarity.measures.WindowSums": "no example yet",
+    "context_similarity.measures.pooled": "no example yet",
+    "context_similarity.measures.head_ratio": "no example yet",
+    "context_similarity.measures.early_uniform_distance": "no example yet",
+    "context_similarity.measures.long_share_difference": "no example yet",
+    "context_similarity.measures.mean_distance_difference": "no example yet",
+    "context_similarity.measures.short_share": "no example yet",
+    "context_similarity.measures.intra_sentence_over_long_range": "no example yet",
+    "context_similarity.measures.same_sentence_fraction": "no example yet",
+    "context_similarity.measures.same_sentence_excess": "no example yet",
+    "context_similarity.measures.sentence_beyond_locality": "no example yet",
+    "context_similarity.measures.final_strongest_sentence": "no example yet",
+    "context_similarity.measures.separator_ratio": "no example yet",
+    "context_similarity.measures.repetition_top_fraction": "no example yet",
+    "context_similarity.measures.specialised_head_share": "no example yet",
+    "context_similarity.measures.distinct_hub_share": "no example yet",
+    "context_similarity.measures.token_context_ratio": "no example yet",
+    "context_similarity.measures.distinct_features_share": "no example yet",
+    "context_similarity.measures.identical_far_ratio": "no example yet",
+    "context_similarity.measures.unrelated_share": "no example yet",
+    "context_similarity.measures.paper_measurements": "no example yet",
+    "context_similarity.reference.stats_reference": "no example yet",
+    "context_similarity.reference.window_sums_reference": "no example yet",
+    "context_similarity.segmentation.combine": "no example yet",
+    "context_similarity.segmentation.segment": "no example yet",
+    "context_similarity.segmentation_eval.strip_sentence_punctuation": "no example yet",
+    "context_similarity.segmentation_eval.split_documents": "no example yet",
+    "context_similarity.segmentation_eval.pk_windowdiff": "no example yet",
+    "context_similarity.segmentation_eval.window_features": "no example yet",
+    "context_similarity.segmentation_eval.head_contrast": "no example yet",
+    "context_similarity.segmentation_eval.predict_all": "no example yet",
+    "context_similarity.segmentation_eval.tune": "no example yet",
+    "context_similarity.segmentation_eval.Scores": "no example yet",
+    "context_similarity.segmentation_eval.Condition": "no example yet",
+    "context_similarity.segmentation_eval.evaluate": "no example yet",
+    "context_similarity.stats.ScatterAdd": "no example yet",
+    "context_similarity.stats.BatchParts": "no example yet",
+    "context_similarity.stats.Statistic": "no example yet",
+    "context_similarity.stats.batch_sum": "no example yet",
+    "context_similarity.stats.window_sum": "no example yet",
+    "context_similarity.stats.PairBatch": "no example yet",
+    "context_similarity.stats.SimilarityStats": "no example yet",
+    "context_similarity.topk.TopPairsTuning": "no example yet",
+    "context_similarity.workspace.work_buffer": "no example yet",
+    "gradient_flow.paper_measures.path_interval": "no example yet",
+    "gradient_flow.paper_measures.edi_residual": "no example yet",
+    "gradient_flow.paper_measures.residual_order": "no example yet",
+    "gradient_flow.paper_measures.stationary_law_weights": "no example yet",
+    "gradient_flow.paper_measures.tangential_share": "no example yet",
+    "gradient_flow.paper_measures.late_displacement": "no example yet",
+    "gradient_flow.paper_measures.clustered_share": "no example yet",
+    "gradient_flow.paper_measures.gronwall_ratio": "no example yet",
+    "gradient_flow.paper_measures.mobility_range": "no example yet",
+    "gradient_flow.paper_measures.tail_mean_slope": "no example yet",
+    "gradient_flow.paper_measures.slope_exponent": "no example yet",
+    "gradient_flow.paper_measures.worst_over_paths": "no example yet",
+    "lra.experiments.TrainJob": "no example yet",
+    "lra.experiments.RunRecord": "no example yet",
+    "lra.experiments.per_item": "no example yet",
+    "lra.experiments.ddp_jobs": "no example yet",
+    "lra.experiments.run_jobs": "no example yet",
+    "lra.experiments.Comparison": "no example yet",
+    "lra.experiments.model_flops": "no example yet",
+    "lra.experiments.peak_memory": "no example yet",
+    "lra.experiments.poisson_dispersion": "no example yet",
+    "lra.loaders.TokenDataset": "no example yet",
+    "lra.loaders.DataNotFoundError": "no example yet",
+    "lra.loaders.load_cifar10_grey": "no example yet",
+    "lra.loaders.load_imdb_bytes": "no example yet",
+    "lra.loaders.load_aan_pairs": "no example yet",
+    "lra.loaders.digits_standin": "no example yet",
+    "lra.model.MultiHeadAttention": "no example yet",
+    "lra.model.EncoderBlock": "no example yet",
+    "lra.model.LRAClassifier": "no example yet",
+    "lra.paper_measures.AccuracyComparison": "no example yet",
+    "lra.paper_measures.density_difficulty_correlation": "no example yet",
+    "lra.paper_measures.density_extremes": "no example yet",
+    "lra.paper_measures.cost_against_edges": "no example yet",
+    "lra.pathfinder.PathfinderSet": "no example yet",
+    "lra.pathfinder.generate": "no example yet",
+    "lra.pathfinder.distance_matched_subset": "no example yet",
+    "lra.pathfinder.shortcut_accuracies": "no example yet",
+    "lra.train.TrainConfig": "no example yet",
+    "lra.train.TrainResult": "no example yet",
+    "lra.train.evaluate": "no example yet",
+    "lra.train.train": "no example yet",
+    "lra.train.main": "no example yet",
+}
+
+
+def _public_objects():
+    """Yield (dotted name, object) for every public function and class of the science packages.
+
+    Public: defined in its module (not imported), name not starting with ``_``, in a public
+    module, and listed in the module's ``__all__`` when it has one.
+    """
+    for package in SCIENCE_PACKAGES:
+        root = importlib.import_module(f"companion.{package}")
+        names = [root.__name__] + [
+            m.name for m in pkgutil.walk_packages(root.__path__, root.__name__ + ".")
+            if not any(part.startswith("_") for part in m.name.split("."))]
+        for module_name in sorted(names):
+            module = importlib.import_module(module_name)
+            listed = getattr(module, "__all__", None)
+            for name, obj in vars(module).items():
+                if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                    continue
+                if getattr(obj, "__module__", None) != module_name:
+                    continue
+                if listed is not None and name not in listed:
+                    continue
+                yield module_name.removeprefix("companion.") + "." + name, obj
+
+
+def test_every_public_function_of_the_science_packages_has_an_example():
+    objects = dict(_public_objects())
+    assert len(objects) > 100, "the walk over the science packages found too few names"
+    missing = sorted(name for name, obj in objects.items()
+                     if ">>>" not in (inspect.getdoc(obj) or "") and name not in WITHOUT_EXAMPLE)
+    assert not missing, f"public names without a >>> example: {missing}"
+    stale = sorted(name for name in WITHOUT_EXAMPLE
+                   if name not in objects or ">>>" in (inspect.getdoc(objects[name]) or ""))
+    assert not stale, f"WITHOUT_EXAMPLE entries that have an example or no longer exist: {stale}"
