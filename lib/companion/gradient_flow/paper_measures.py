@@ -47,6 +47,11 @@ def path_interval(statistic, *samples, n_boot: int = 2000, level: float = 0.95,
     percentiles at ``Phi(± sqrt(P / (P - 1)) t_{P-1})`` instead of ``Phi(± z)``: for a
     95 % interval the 0.25 % and 99.75 % percentiles at ``P = 6``, 0.85 % and 99.15 % at
     ``P = 10``. See :func:`~companion.gradient_flow.analysis.bootstrap_over_paths`.
+
+    >>> import numpy as np
+    >>> lo, hi = path_interval(np.mean, np.array([1.0, 2.0, 3.0, 4.0]), n_boot=200)
+    >>> lo < 2.5 < hi
+    True
     """
     from scipy import stats
 
@@ -77,6 +82,21 @@ def edi_residual(trajectory, form: str = "slope") -> torch.Tensor:
     harmonic-mean slope (the identity the authors discretise); ``"dissipation"``: the same
     with the true dissipation; ``"zero"``: the slope term left out (the falsifier "G^2 set
     to zero").
+
+    >>> import torch
+    >>> from companion import gradient_flow as gf
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = gf.octahedral_tokens(8, 0.05, g, paths=3), gf.initial_weights(1, 3, g, paths=3)
+    >>> tr = gf.simulate(x, D, gf.Frozen(), T=0.5, dt=0.01, record_every=10)
+    >>> edi_residual(tr).shape  # [records, paths]
+    torch.Size([6, 3])
+    >>> bool((edi_residual(tr, "zero")[-1] < edi_residual(tr)[-1]).all())
+    True
+
+    References
+    ----------
+    Massucco et al., arXiv 2605.18870, Eq. (81) (numbered in the authors' README): the
+    energy-dissipation identity that is discretised.
     """
     if form not in _EDI_FORMS:
         raise ValueError(f"form: expected one of {_EDI_FORMS}, got {form!r}")
@@ -123,6 +143,12 @@ def residual_order(dts, residuals, *, n_boot: int = 2000, level: float = 0.95,
 
     Returns ``(order, (lo, hi))`` with a bootstrap interval over paths (a path keeps its
     residuals at every ``dt`` together).
+
+    >>> dts = [0.1, 0.05, 0.025]
+    >>> res = [[0.01, 0.02, 0.04], [0.0025, 0.005, 0.01], [0.000625, 0.00125, 0.0025]]
+    >>> order, (lo, hi) = residual_order(dts, res, n_boot=50)
+    >>> round(order, 6)
+    2.0
     """
     dts = np.asarray(dts, dtype=float)
     r = np.abs(_np(residuals))
@@ -143,6 +169,16 @@ def stationary_law_weights(heads: int, d: int, generator: torch.Generator | None
     law ``I + (sigma / sqrt 2) (Z + Z^T)/2`` (``I + (Z + Z^T)/2`` for the paper's
     ``sigma^2 = 2``). A head average over many draws stands for the limiting weight law
     of Theorem 4.16. Returns ``[paths, heads, d, d]``.
+
+    >>> import torch
+    >>> W = stationary_law_weights(4, 3, torch.Generator().manual_seed(0), paths=2)
+    >>> W.shape, torch.equal(W, W.transpose(-1, -2))
+    (torch.Size([2, 4, 3, 3]), True)
+
+    References
+    ----------
+    Massucco et al., arXiv 2605.18870, Theorem 4.16 (numbered in the authors' README): the
+    limiting weight law of the omega-limit statement.
     """
     heads = check_int("heads", heads, 1)
     d = check_int("d", d, 2)
@@ -172,6 +208,19 @@ def tangential_share(tokens: torch.Tensor, weights: torch.Tensor, *,
     Returns
     -------
     ``[P]``. Complexity ``O(P H n^2 d)``.
+
+    >>> import torch
+    >>> from companion import gradient_flow as gf
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = gf.octahedral_tokens(8, 0.05, g, paths=3), gf.initial_weights(1, 3, g, paths=3)
+    >>> s = tangential_share(x, D)
+    >>> s.shape, bool(((s >= 0) & (s <= 1)).all())
+    (torch.Size([3]), True)
+
+    References
+    ----------
+    Massucco et al., arXiv 2605.18870, Theorem 4.16 (numbered in the authors' README):
+    omega-limit points are stationary points of the energy.
     """
     check_tensor("tokens", tokens, ndim=3, floating=True, shape_text="[P, n, d]")
     check_tensor("weights", weights, ndim=4, floating=True, shape_text="[P, H, d, d]")
@@ -198,6 +247,15 @@ def late_displacement(positions: torch.Tensor, times, fraction: float = 0.8) -> 
 
     positions ``[R, P, n, d]`` at ``times [R]``; the record nearest ``fraction * T``.
     Returns ``[P]``.
+
+    >>> import torch
+    >>> from companion import gradient_flow as gf
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = gf.octahedral_tokens(8, 0.05, g, paths=3), gf.initial_weights(1, 3, g, paths=3)
+    >>> tr = gf.simulate(x, D, gf.Frozen(), T=0.5, dt=0.01, record_every=10)
+    >>> d = late_displacement(tr.positions, tr.times)
+    >>> d.shape, bool((d >= 0).all())
+    (torch.Size([3]), True)
     """
     check_tensor("positions", positions, ndim=4, floating=True, shape_text="[R, P, n, d]")
     t = _np(times)
@@ -210,7 +268,12 @@ def clustered_share(tokens: torch.Tensor, min_inner: float = 0.999) -> torch.Ten
     """Share of tokens that sit in a cluster: with another token at inner product above
     ``min_inner`` (GLPR's clustering criterion, 0.999). 1 when every token is in a
     cluster (however many clusters), small for a spread cloud. tokens ``[..., n, d]`` ->
-    ``[...]``."""
+    ``[...]``.
+
+    >>> import torch
+    >>> clustered_share(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]))
+    tensor(0.6667)
+    """
     check_tensor("tokens", tokens, min_ndim=2, floating=True, shape_text="[..., n, d]")
     n = tokens.shape[-2]
     if n < 2:
@@ -228,6 +291,12 @@ def gronwall_ratio(w2: torch.Tensor, bound: torch.Tensor, times) -> np.ndarray:
     below the sphere's diameter 2 (elsewhere ``W_2 <= 2`` holds trivially).
 
     w2, bound ``[R, P]``; returns ``[P]`` (NaN for a path with no informative record).
+
+    >>> import torch
+    >>> w2 = torch.tensor([[0.0, 0.0], [0.1, 0.5]])
+    >>> bound = torch.tensor([[0.0, 0.0], [0.2, 3.0]])  # 3 > 2: not informative
+    >>> gronwall_ratio(w2, bound, [0.0, 1.0])
+    array([0.5, nan], dtype=float32)
     """
     w2, bound = _np(w2), _np(bound)
     t = _np(times)
@@ -249,6 +318,14 @@ def mobility_range(tokens: torch.Tensor, weights: torch.Tensor) -> dict[str, tor
     within the factors ``b_max^{1/2}`` and ``b_min^{1/2}`` of ``W_2`` (the equivalence of
     ``W_{m,2}`` with ``W_2``). tokens ``[P, n, d]``, weights ``[P, H, d, d]``; returns a
     dict of ``[P]`` tensors: ``min``, ``max``, ``lower``, ``upper``.
+
+    >>> import torch
+    >>> from companion import gradient_flow as gf
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = gf.octahedral_tokens(8, 0.05, g, paths=3), gf.initial_weights(1, 3, g, paths=3)
+    >>> m = mobility_range(x, D)
+    >>> bool(((m["lower"] <= m["min"]) & (m["max"] <= m["upper"])).all())
+    True
     """
     Z = step_quantities(tokens, weights)["Z"]  # [P, n, H]
     b = 1 / (1 / Z).mean(-1)
@@ -259,7 +336,16 @@ def mobility_range(tokens: torch.Tensor, weights: torch.Tensor) -> dict[str, tor
 
 # --------------------------------------------------------------- slope against heads
 def tail_mean_slope(trajectory, tail_from: float) -> torch.Tensor:
-    """Time mean of ``G^2`` over the records ``t >= tail_from``, per path ``[P]``."""
+    """Time mean of ``G^2`` over the records ``t >= tail_from``, per path ``[P]``.
+
+    >>> import torch
+    >>> from companion import gradient_flow as gf
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, D = gf.octahedral_tokens(8, 0.05, g, paths=3), gf.initial_weights(1, 3, g, paths=3)
+    >>> tr = gf.simulate(x, D, gf.Frozen(), T=0.5, dt=0.01, record_every=10)
+    >>> tail_mean_slope(tr, 0.25).shape
+    torch.Size([3])
+    """
     tail_from = check_number("tail_from", tail_from, minimum=0.0)
     keep = trajectory.times >= tail_from
     if not bool(keep.any()):
@@ -274,6 +360,16 @@ def slope_exponent(heads, tails, *, n_boot: int = 2000, level: float = 0.95, see
     each ``H`` are independent runs; a replicate resamples the paths of every ``H``).
 
     Returns ``(b, (lo, hi), a)``.
+
+    >>> tails = [[1.0, 1.1, 0.9], [0.5, 0.55, 0.45], [0.25, 0.27, 0.23]]
+    >>> b, (lo, hi), a = slope_exponent([1, 2, 4], tails, n_boot=50)
+    >>> round(b, 6), round(a, 6)
+    (-1.0, 1.0)
+
+    References
+    ----------
+    Massucco et al., arXiv 2605.18870, Theorem 4.16 and Section 6 (numbered in the authors'
+    README): ``G^2`` decays as ``O(1/H)``, fitted exponent ``b`` near -1 in the OU regime.
     """
     H = np.asarray(list(heads), dtype=float)
     t = _np(tails)
@@ -288,7 +384,11 @@ def slope_exponent(heads, tails, *, n_boot: int = 2000, level: float = 0.95, see
 
 def worst_over_paths(values, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0):
     """The largest of per-path ``values [P]`` (NaN paths left out) with the percentile
-    bootstrap interval of that maximum over paths. Returns ``(max, (lo, hi))``."""
+    bootstrap interval of that maximum over paths. Returns ``(max, (lo, hi))``.
+
+    >>> worst_over_paths([0.1, 0.3, float("nan"), 0.2], n_boot=50)
+    (0.3, (0.1, 0.3))
+    """
     v = _np(values)
     v = v[np.isfinite(v)]
     if v.size < 2:
