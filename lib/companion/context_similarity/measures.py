@@ -63,7 +63,12 @@ CONTEXT_MIN = 2.0
 @dataclass(frozen=True)
 class Measured:
     """A measurement: its value on all windows, its percentile interval over bootstrap
-    replicates of the windows, and the replicates."""
+    replicates of the windows, and the replicates.
+
+    >>> m = Measured(0.5, (0.4, 0.6), torch.tensor([0.4, 0.5, 0.6]))
+    >>> m.interval[0] <= m.value <= m.interval[1]
+    True
+    """
 
     value: float
     interval: tuple[float, float]
@@ -82,6 +87,11 @@ class WindowSums(Mapping):
     clusters with replacement and keeps all windows of a drawn cluster together, since
     consecutive windows of one text are not independent draws. None: every window is its
     own cluster.
+
+    >>> w = {"n_high": torch.ones(4, 1, 1), "same_sentence": torch.ones(4, 1, 1)}
+    >>> s = WindowSums(w, reps=3, seed=0, clusters=[0, 0, 1, 1])
+    >>> s.point["n_high"], s.boot["n_high"].shape, s.n_clusters
+    (tensor([[4.]], dtype=torch.float64), torch.Size([3, 1, 1]), 2)
     """
 
     def __init__(self, window_sums: Mapping[str, torch.Tensor], reps: int = 1000,
@@ -163,7 +173,12 @@ def evaluate(sums: WindowSums, fn: Callable, *args, level: float = 0.95, **kwarg
 
 
 def pooled(s: Mapping, name: str, layers=None) -> torch.Tensor:
-    """The sum ``name`` [..., L, H] over the heads of ``layers`` (all if None): [...]."""
+    """The sum ``name`` [..., L, H] over the heads of ``layers`` (all if None): [...].
+
+    >>> s = {"n_high": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}  # [L, H]
+    >>> pooled(s, "n_high"), pooled(s, "n_high", [1])
+    (tensor(10.), tensor(7.))
+    """
     t = s[name]
     if layers is not None:
         t = t[..., list(layers), :]
@@ -175,7 +190,13 @@ def _ratio(num, den):
 
 
 def head_ratio(s: Mapping, num: str, den: str) -> torch.Tensor:
-    """[..., L, H] ``num / den`` per head."""
+    """[..., L, H] ``num / den`` per head.
+
+    >>> s = {"identical": torch.tensor([[1.0, 0.0]]),
+    ...      "n_high": torch.tensor([[2.0, 0.0]])}
+    >>> head_ratio(s, "identical", "n_high")  # a head without pairs gives 0
+    tensor([[0.5000, 0.0000]])
+    """
     return _ratio(s[num], s[den])
 
 
@@ -186,7 +207,18 @@ def early_uniform_distance(s: Mapping, layers) -> torch.Tensor:
     """Total variation distance between the distance distribution of the high pairs of
     ``layers`` (pooled over their heads, log2 distance bins) and that of uniformly drawn
     content pairs of the same windows: 0 when the pairs are as far apart as uniform pairs,
-    1 when the two share no bin."""
+    1 when the two share no bin.
+
+    >>> s = {"distance_bins": torch.tensor([[[1.0, 0.0]]]),  # [L, H, bins]
+    ...      "chance_distance_bins": torch.tensor([0.5, 0.5])}
+    >>> early_uniform_distance(s, [0])
+    tensor(0.5000)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    long-range attention in the early layers.
+    """
     h = s["distance_bins"][..., list(layers), :, :].sum((-2, -3))  # [..., D]
     q = s["chance_distance_bins"]  # [..., D]
     p = h / h.sum(-1, keepdim=True).clamp(min=1e-12)
@@ -195,19 +227,52 @@ def early_uniform_distance(s: Mapping, layers) -> torch.Tensor:
 
 
 def long_share_difference(s: Mapping, a, b) -> torch.Tensor:
-    """Share of high pairs more than LONG_RANGE apart in layers ``a`` minus in ``b``."""
+    """Share of high pairs more than LONG_RANGE apart in layers ``a`` minus in ``b``.
+
+    >>> s = {"long_range": torch.tensor([[3.0], [1.0]]),
+    ...      "n_high": torch.tensor([[4.0], [4.0]])}
+    >>> long_share_difference(s, [0], [1])
+    tensor(0.5000)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    long-range attention early, short-range later.
+    """
     return (_ratio(pooled(s, "long_range", a), pooled(s, "n_high", a))
             - _ratio(pooled(s, "long_range", b), pooled(s, "n_high", b)))
 
 
 def mean_distance_difference(s: Mapping, a, b) -> torch.Tensor:
-    """Mean token distance of the high pairs of layers ``a`` minus that of ``b``."""
+    """Mean token distance of the high pairs of layers ``a`` minus that of ``b``.
+
+    >>> s = {"distance_sum": torch.tensor([[40.0], [8.0]]),
+    ...      "n_high": torch.tensor([[4.0], [4.0]])}
+    >>> mean_distance_difference(s, [0], [1])
+    tensor(8.)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    long-range attention early, short-range later.
+    """
     return (_ratio(pooled(s, "distance_sum", a), pooled(s, "n_high", a))
             - _ratio(pooled(s, "distance_sum", b), pooled(s, "n_high", b)))
 
 
 def short_share(s: Mapping, layers) -> torch.Tensor:
-    """Share of the high pairs of ``layers`` at most SHORT_RANGE tokens apart."""
+    """Share of the high pairs of ``layers`` at most SHORT_RANGE tokens apart.
+
+    >>> s = {"short_range": torch.tensor([[1.0], [3.0]]),
+    ...      "n_high": torch.tensor([[4.0], [4.0]])}
+    >>> short_share(s, [1])
+    tensor(0.7500)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    short-range attention in the later layers.
+    """
     return _ratio(pooled(s, "short_range", layers), pooled(s, "n_high", layers))
 
 
@@ -215,7 +280,19 @@ def intra_sentence_over_long_range(s: Mapping, layers=None) -> torch.Tensor:
     """How much more the high pairs favour mid-range pairs inside one sentence
     (SHORT_RANGE < distance <= LONG_RANGE) than pairs across the text (distance >
     LONG_RANGE), each against uniform pairs: (mid same-sentence / its chance) over (long
-    range / its chance), pooled over the heads of ``layers`` (all if None)."""
+    range / its chance), pooled over the heads of ``layers`` (all if None).
+
+    >>> s = {"mid_same_sentence": torch.tensor([[4.0]]),
+    ...      "chance_mid_same_sentence": torch.tensor([[1.0]]),
+    ...      "long_range": torch.tensor([[2.0]]), "chance_long_range": torch.tensor([[2.0]])}
+    >>> intra_sentence_over_long_range(s)
+    tensor(4.)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    a preference for pairs within one sentence at the end.
+    """
     mid = _ratio(pooled(s, "mid_same_sentence", layers),
                  pooled(s, "chance_mid_same_sentence", layers))
     far = _ratio(pooled(s, "long_range", layers), pooled(s, "chance_long_range", layers))
@@ -226,19 +303,52 @@ def intra_sentence_over_long_range(s: Mapping, layers=None) -> torch.Tensor:
 
 
 def same_sentence_fraction(s: Mapping, layers=None) -> torch.Tensor:
-    """Share of the high pairs of ``layers`` (all if None) inside one sentence."""
+    """Share of the high pairs of ``layers`` (all if None) inside one sentence.
+
+    >>> s = {"same_sentence": torch.tensor([[1.0, 2.0]]), "n_high": torch.tensor([[2.0, 2.0]])}
+    >>> same_sentence_fraction(s)
+    tensor(0.7500)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    a preference for pairs within one sentence.
+    """
     return _ratio(pooled(s, "same_sentence", layers), pooled(s, "n_high", layers))
 
 
 def same_sentence_excess(s: Mapping, layers=None) -> torch.Tensor:
-    """Same-sentence share minus that of pairs drawn uniformly from the same windows."""
+    """Same-sentence share minus that of pairs drawn uniformly from the same windows.
+
+    >>> s = {"same_sentence": torch.tensor([[3.0]]), "chance_same_sentence": torch.tensor([[1.0]]),
+    ...      "n_high": torch.tensor([[4.0]])}
+    >>> same_sentence_excess(s)
+    tensor(0.5000)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    a preference for pairs within one sentence.
+    """
     return (same_sentence_fraction(s, layers)
             - _ratio(pooled(s, "chance_same_sentence", layers), pooled(s, "n_high", layers)))
 
 
 def sentence_beyond_locality(s: Mapping, layers) -> torch.Tensor:
     """Same-sentence share minus that of pairs at the same distances (locality alone
-    gives 0)."""
+    gives 0).
+
+    >>> s = {"same_sentence": torch.tensor([[3.0]]),
+    ...      "chance_same_sentence_distance": torch.tensor([[2.0]]),
+    ...      "n_high": torch.tensor([[4.0]])}
+    >>> sentence_beyond_locality(s, [0])
+    tensor(0.2500)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    a preference for pairs within one sentence in the final layers.
+    """
     return (same_sentence_fraction(s, layers)
             - _ratio(pooled(s, "chance_same_sentence_distance", layers),
                      pooled(s, "n_high", layers)))
@@ -246,7 +356,18 @@ def sentence_beyond_locality(s: Mapping, layers) -> torch.Tensor:
 
 def final_strongest_sentence(s: Mapping, final, others) -> torch.Tensor:
     """Same-sentence share of the ``final`` layers minus the largest of the other groups'
-    (``others``: a list of layer lists)."""
+    (``others``: a list of layer lists).
+
+    >>> s = {"same_sentence": torch.tensor([[1.0], [2.0], [3.0]]),
+    ...      "n_high": torch.full((3, 1), 4.0)}
+    >>> final_strongest_sentence(s, [2], [[0], [1]])
+    tensor(0.2500)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    the within-sentence preference is strongest at the end.
+    """
     rest = torch.stack([same_sentence_fraction(s, g) for g in others], -1).amax(-1)
     return same_sentence_fraction(s, final) - rest
 
@@ -256,7 +377,18 @@ def final_strongest_sentence(s: Mapping, final, others) -> torch.Tensor:
 
 def separator_ratio(s: Mapping, layers, kinds) -> torch.Tensor:
     """Attention mass that content queries of ``layers`` put on the separator kinds
-    ``kinds`` (indices into the statistics' separators), over uniform attention's."""
+    ``kinds`` (indices into the statistics' separators), over uniform attention's.
+
+    >>> s = {"separator_attention": torch.tensor([[[0.6, 0.2]]]),  # [L, H, kinds]
+    ...      "chance_separator": torch.tensor([0.1, 0.1])}
+    >>> separator_ratio(s, [0], [0])
+    tensor(6.)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    final-layer attention on separators, suggesting segmentation.
+    """
     layers, kinds = list(layers), list(kinds)
     mass = s["separator_attention"][..., layers, :, :][..., kinds].sum((-1, -2, -3))
     n_heads = s["separator_attention"].shape[-2]
@@ -269,7 +401,17 @@ def separator_ratio(s: Mapping, layers, kinds) -> torch.Tensor:
 
 def repetition_top_fraction(s: Mapping) -> torch.Tensor:
     """The largest share, over the heads, of a head's high pairs that join identical
-    tokens."""
+    tokens.
+
+    >>> s = {"identical": torch.tensor([[1.0, 3.0]]), "n_high": torch.tensor([[4.0, 4.0]])}
+    >>> repetition_top_fraction(s)
+    tensor(0.7500)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    heads specialise on repetitions.
+    """
     return head_ratio(s, "identical", "n_high").flatten(-2).amax(-1)
 
 
@@ -282,14 +424,36 @@ def _hub_ratio(s: Mapping) -> torch.Tensor:
 def specialised_head_share(s: Mapping, hub_min: float = HUB_MIN) -> torch.Tensor:
     """Share of the heads whose per-input hub token (the commonest endpoint token of the
     head's high pairs in a window) takes at least ``hub_min`` times the endpoints that the
-    commonest token of uniformly drawn pairs takes, pooled over the windows."""
+    commonest token of uniformly drawn pairs takes, pooled over the windows.
+
+    >>> s = {"hub_endpoints": torch.tensor([[6.0, 2.0]]),
+    ...      "chance_hub_endpoints": torch.tensor(2.0)}
+    >>> specialised_head_share(s)  # hubs at 3 and 1 times chance's
+    tensor(0.5000, dtype=torch.float64)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    heads specialise on a common token with its context.
+    """
     return (_hub_ratio(s) >= hub_min).double().flatten(-2).mean(-1)
 
 
 def distinct_hub_share(s: Mapping) -> torch.Tensor:
     """Distinct hub tokens among a layer's heads, per head: the mean over windows (with
     pairs) and layers of (distinct hubs of the layer) / (heads). 1 when every head of a
-    layer has its own token, 1 / H when all share one."""
+    layer has its own token, 1 / H when all share one.
+
+    >>> s = {"n_high": torch.ones(1, 2), "hub_distinct": torch.tensor([1.0]),
+    ...      "windows_with_pairs": torch.tensor(1.0)}
+    >>> distinct_hub_share(s)  # both heads of the one layer share one hub token
+    tensor(0.5000)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    heads specialise on different tokens.
+    """
     n_layers, n_heads = s["n_high"].shape[-2:]
     return _ratio(s["hub_distinct"].sum(-1), s["windows_with_pairs"] * n_layers * n_heads)
 
@@ -302,7 +466,18 @@ def _context_ratio(s: Mapping) -> torch.Tensor:
 
 def token_context_ratio(s: Mapping) -> torch.Tensor:
     """Pooled over all heads: the share of the pairs touching a head's hub token that lie
-    within SHORT_RANGE tokens of each other, over that share for uniform pairs."""
+    within SHORT_RANGE tokens of each other, over that share for uniform pairs.
+
+    >>> s = {"hub_near": torch.tensor([[3.0]]), "hub_pairs": torch.tensor([[4.0]]),
+    ...      "chance_short_range": torch.tensor([[1.0]]), "n_high": torch.tensor([[4.0]])}
+    >>> token_context_ratio(s)
+    tensor(3.)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    heads specialise on a common token with its context.
+    """
     near = _ratio(s["hub_near"].sum((-1, -2)), s["hub_pairs"].sum((-1, -2)))
     chance = _ratio(s["chance_short_range"].sum((-1, -2)), s["n_high"].sum((-1, -2)))
     return _ratio(near, chance)
@@ -312,7 +487,21 @@ def distinct_features_share(s: Mapping, rep_min: float = REP_MIN,
                             context_min: float = CONTEXT_MIN) -> torch.Tensor:
     """Share of the layers that hold both a repetition head (identical-token pairs at
     least ``rep_min`` times chance) and a context head (not a repetition head; its hub's
-    pairs within SHORT_RANGE at least ``context_min`` times as often as uniform pairs)."""
+    pairs within SHORT_RANGE at least ``context_min`` times as often as uniform pairs).
+
+    >>> s = {"identical": torch.tensor([[10.0, 0.0], [0.0, 0.0]]),
+    ...      "chance_identical": torch.ones(2, 2),
+    ...      "hub_near": torch.tensor([[0.0, 3.0], [0.0, 3.0]]),
+    ...      "hub_pairs": torch.full((2, 2), 4.0),
+    ...      "chance_short_range": torch.ones(2, 2), "n_high": torch.full((2, 2), 4.0)}
+    >>> distinct_features_share(s)  # only layer 0 has a repetition head and a context head
+    tensor(0.5000, dtype=torch.float64)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    heads specialise on repetitions or a common token with its context.
+    """
     rep = head_ratio(s, "identical", "chance_identical") >= rep_min
     ctx = ~rep & (_context_ratio(s) >= context_min)
     both = rep.any(-1) & ctx.any(-1)  # [..., L]
@@ -321,7 +510,18 @@ def distinct_features_share(s: Mapping, rep_min: float = REP_MIN,
 
 def identical_far_ratio(s: Mapping, layer: int, head: int) -> torch.Tensor:
     """Head (``layer``, ``head``)'s high pairs of identical tokens more than LONG_RANGE
-    apart, over what uniform pairs of the same windows give."""
+    apart, over what uniform pairs of the same windows give.
+
+    >>> s = {"identical_long_range": torch.tensor([[0.0, 6.0]]),
+    ...      "chance_identical_long_range": torch.tensor([[1.0, 2.0]])}
+    >>> identical_far_ratio(s, 0, 1)
+    tensor(3.)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract:
+    heads specialise on repetitions; layer 11, head 8 (secondary summary).
+    """
     return _ratio(s["identical_long_range"][..., layer, head],
                   s["chance_identical_long_range"][..., layer, head])
 
@@ -329,7 +529,12 @@ def identical_far_ratio(s: Mapping, layer: int, head: int) -> torch.Tensor:
 def unrelated_share(s: Mapping, layers=None) -> torch.Tensor:
     """Share of the high pairs of ``layers`` (all if None) with none of the relations the
     chapter measures: in two sentences, two different tokens, more than SHORT_RANGE
-    apart, outside the high-attention region."""
+    apart, outside the high-attention region.
+
+    >>> s = {"unrelated": torch.tensor([[1.0, 0.0]]), "n_high": torch.tensor([[2.0, 2.0]])}
+    >>> unrelated_share(s)
+    tensor(0.2500)
+    """
     return _ratio(pooled(s, "unrelated", layers), pooled(s, "n_high", layers))
 
 
