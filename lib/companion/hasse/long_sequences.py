@@ -26,7 +26,13 @@ __all__ = ["PackedOrderStructure", "packed_adjacency", "packed_adjacency_from_ed
 class PackedOrderStructure(NamedTuple):
     """What :func:`packed_order_structure` computes: the
     :class:`~companion.hasse.reachability.OrderStructure` with ``R``
-    bit-packed (``n^2 / 8`` bytes instead of ``n^2``)."""
+    bit-packed (``n^2 / 8`` bytes instead of ``n^2``).
+
+    >>> from companion.hasse.masks import chain_mask_mod
+    >>> result = packed_order_structure(packed_adjacency(chain_mask_mod, 4))
+    >>> isinstance(result, PackedOrderStructure), result.reach.shape, result.depth
+    (True, (4, 1), 3)
+    """
 
     reach: np.ndarray  # (n, ceil(n / 64)) uint64: bit k of row q (word k // 64) = R[q, k]
     depth: int  # smallest L with A^L = R (-1 when not computed)

@@ -61,7 +61,14 @@ __all__ = [
 class MaskedTransformer:
     """Parameters: ``layers`` (list of dicts of tensors), ``final_ln`` (weight, bias),
     ``n_heads``; plus the input construction: ``position`` (max_positions, d) and
-    ``mask_token`` (d,) embeddings."""
+    ``mask_token`` (d,) embeddings.
+
+    >>> import torch
+    >>> model = init_masked_transformer(d_model=8, n_layers=2, max_positions=4,
+    ...                                 generator=torch.Generator().manual_seed(0))
+    >>> isinstance(model, MaskedTransformer), model.d_model, len(model.layers)
+    (True, 8, 2)
+    """
 
     layers: list
     final_ln: tuple
@@ -95,6 +102,12 @@ def init_masked_transformer(
         torch.Generator, a ``dtype`` that is not a floating torch.dtype.
     ValueError
         A size < 1, ``n_heads`` not dividing ``d_model``, an unknown or absent device.
+
+    >>> import torch
+    >>> model = init_masked_transformer(d_model=8, n_layers=1, n_heads=4, max_positions=4,
+    ...                                 generator=torch.Generator().manual_seed(0))
+    >>> model.n_heads, model.position.shape, model.layers[0]["w1"].shape
+    (4, torch.Size([4, 8]), torch.Size([8, 16]))
     """
     d_model = check_int("d_model", d_model, minimum=1)
     n_layers = check_int("n_layers", n_layers, minimum=1)
@@ -236,6 +249,18 @@ def masked_transformer(model: MaskedTransformer, x: torch.Tensor, mask: torch.Te
     ValueError
         Wrong shapes, ``x`` not finite or not on the model's device, ``n_layers`` out of
         ``[0, L]``.
+
+    >>> import torch
+    >>> from companion.hasse.masks import chain
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = init_masked_transformer(d_model=8, n_layers=2, max_positions=4, generator=g)
+    >>> x = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    >>> out = masked_transformer(model, x, chain(4))
+    >>> out.shape, out.dtype
+    (torch.Size([4, 8]), torch.float64)
+    >>> y = x.clone(); y[3] += 1  # a change at the last position does not reach the first
+    >>> torch.equal(masked_transformer(model, y, chain(4))[0], out[0])
+    True
     """
     _check_x_mask(model, x, mask)
     layers = _model_layers(model, n_layers)
@@ -266,6 +291,19 @@ def dependency_pattern(model: MaskedTransformer, x: torch.Tensor, mask: torch.Te
 
     One reverse-mode pass per output row with a random cotangent (see
     ``_row_dependencies``); exact zeros are structural (masked weights are exactly 0).
+
+    >>> import torch
+    >>> from companion.hasse.masks import chain
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = init_masked_transformer(d_model=8, n_layers=2, max_positions=4, generator=g)
+    >>> x = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    >>> dependency_pattern(model, x, chain(4), generator=g).int().tolist()  # (M OR I)^2
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]]
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: ``L`` layers as the Boolean power ``A^L`` (section
+    not known here; abstract and a secondary summary).
     """
     _check_x_mask(model, x, mask)
     _model_layers(model, n_layers)
@@ -291,6 +329,16 @@ def embed_task_inputs(model: MaskedTransformer, task, token_embeddings: torch.Te
     ValueError
         ``token_embeddings`` of the wrong width, with too few rows, not finite or not on
         the model's device; ``positions`` of the wrong length or out of range.
+
+    >>> import torch
+    >>> from companion.hasse.task_merge import butterfly, autoregressive_family
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = init_masked_transformer(d_model=8, n_layers=2, max_positions=8, generator=g)
+    >>> task = autoregressive_family(3)[1]  # tokens 0, 1 predict token 2
+    >>> emb = torch.randn(3, 8, dtype=torch.float64, generator=g)
+    >>> x = embed_task_inputs(model, task, emb)
+    >>> x.shape, torch.equal(x[1], emb[1] + model.position[1])
+    (torch.Size([2, 8]), True)
     """
     _check_model(model)
     _check_task(task)
@@ -329,6 +377,16 @@ def token_dependencies(model: MaskedTransformer, task, token_embeddings: torch.T
     embedding of token ``t``, through the whole input construction.
 
     Raises as :func:`embed_task_inputs` and :func:`masked_transformer` do.
+
+    >>> import torch
+    >>> from companion.hasse.task_merge import butterfly, autoregressive_family
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = init_masked_transformer(d_model=8, n_layers=2, max_positions=8, generator=g)
+    >>> emb = torch.randn(3, 8, dtype=torch.float64, generator=g)
+    >>> task = butterfly(3)
+    >>> dep = token_dependencies(model, task, emb, generator=g)
+    >>> [bool(dep[p, y]) for p, y in enumerate(task.targets) if y is not None]  # own token
+    [False, False, False]
     """
     _check_model(model)
     _check_task(task)
@@ -356,6 +414,16 @@ def incremental_forward(model: MaskedTransformer, x: torch.Tensor, mask: torch.T
         an int; and as :func:`masked_transformer` for ``model``, ``x`` and ``mask``.
     ValueError
         ``groups`` is not a partition of the positions, or needs the future.
+
+    >>> import torch
+    >>> from companion.hasse.masks import chain
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = init_masked_transformer(d_model=8, n_layers=2, max_positions=4, generator=g)
+    >>> x = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    >>> groups = [[0, 1], [2], [3]]
+    >>> one_pass = masked_transformer(model, x, chain(4))
+    >>> torch.allclose(incremental_forward(model, x, chain(4), groups), one_pass)
+    True
     """
     _check_x_mask(model, x, mask)
     groups = _check_groups(groups)
@@ -427,6 +495,9 @@ def block_two_stream_schedule(n: int, block: int) -> list[list[int]]:
         ``n`` or ``block`` is not an int.
     ValueError
         ``n`` or ``block`` is < 1.
+
+    >>> block_two_stream_schedule(4, 2)  # content at 0..1, mask tokens at 2..5
+    [[2, 3], [0, 1], [4, 5]]
     """
     n = check_int("n", n, minimum=1)
     block = check_int("block", block, minimum=1)

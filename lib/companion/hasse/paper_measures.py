@@ -181,6 +181,21 @@ def jacobian_mismatches(model: MT.MaskedTransformer, mask: torch.Tensor, x: torc
     The network (:func:`companion.hasse.masked_transformer.dependency_pattern`) always has
     its residual connections; ``residual=False`` predicts with ``A = M`` instead of
     ``M OR I`` (the falsifier: a layer graph without the residual connection's edges).
+
+    >>> import torch
+    >>> from companion.hasse import masked_transformer as MT
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = MT.init_masked_transformer(d_model=8, n_layers=2, max_positions=8, generator=g)
+    >>> x = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    >>> jacobian_mismatches(model, M.chain(4), x, 2, generator=g)
+    0
+    >>> jacobian_mismatches(model, M.chain(4), x, 2, residual=False, generator=g) > 0
+    True
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: ``L`` layers as the Boolean power ``A^L`` of ``A = M OR I``
+    (section not known here; abstract and a secondary summary).
     """
     layers = check_int("layers", layers, minimum=1)
     residual = check_bool("residual", residual)
@@ -201,6 +216,16 @@ def sparse_network_mismatches(sparse_task: T.Task, dense_task: T.Task, *,
     Returns ``(mismatches, layers)``: the entries where the network with the sparse mask
     and ``L*`` layers depends on an input the dense task does not read, or misses one it
     reads; and ``L*``. Definition 3.8 says the two are the same information flow: 0.
+
+    >>> fam = T.autoregressive_family(4)
+    >>> sparse, dense = T.minimal_merge(fam, sparse=True), T.minimal_merge(fam)
+    >>> sparse_network_mismatches(sparse, dense, generator=torch.Generator().manual_seed(0))
+    (0, 3)
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: Definition 3.8, the sparse merge (numbered by a secondary
+    summary).
     """
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator, got {describe(generator)}")
@@ -223,7 +248,23 @@ def own_token_gradient_holds(model: MT.MaskedTransformer, task: T.Task,
                              generator: torch.Generator | None = None) -> bool:
     """Butterfly's statement on one network: every prediction has an exactly zero
     derivative in the raw embedding of the token it predicts, through the whole input
-    construction, and a nonzero one in every other token of the sequence."""
+    construction, and a nonzero one in every other token of the sequence.
+
+    >>> import torch
+    >>> from companion.hasse import masked_transformer as MT
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = MT.init_masked_transformer(d_model=8, n_layers=2, max_positions=8, generator=g)
+    >>> emb = torch.randn(3, 8, dtype=torch.float64, generator=g)
+    >>> own_token_gradient_holds(model, T.butterfly(3), emb, generator=g)
+    True
+    >>> own_token_gradient_holds(model, T.leaky_bidirectional(3), emb, generator=g)
+    False
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: butterfly attention's prediction of a token does not depend
+    on that token (abstract and a secondary summary).
+    """
     dep = MT.token_dependencies(model, task, token_embeddings, generator=generator)
     tokens = {t for inp in task.inputs for t in inp} | {y for y in task.targets if y is not None}
     rows = [(p, y) for p, y in enumerate(task.targets) if y is not None]
@@ -242,6 +283,22 @@ def train_inference_gap(model: MT.MaskedTransformer, task: T.Task,
     (:func:`companion.hasse.masked_transformer.incremental_forward` with the mask
     restricted to the past). A mask that never reads a later group gives equal outputs
     up to rounding; one that does gives a difference of the order of the outputs.
+
+    >>> import torch
+    >>> from companion.hasse import masked_transformer as MT
+    >>> g = torch.Generator().manual_seed(0)
+    >>> model = MT.init_masked_transformer(d_model=8, n_layers=2, max_positions=8, generator=g)
+    >>> emb = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    >>> schedule = MT.block_two_stream_schedule(4, 2)
+    >>> train_inference_gap(model, T.block_two_stream(4, 2), emb, schedule) < 1e-12
+    True
+    >>> train_inference_gap(model, block_two_stream_reading_own_block(4, 2), emb, schedule) > 1e-3
+    True
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: block two-stream attention, training equal to block-wise
+    generation (abstract and a secondary summary).
     """
     groups = [list(g) for g in groups]
     rank = torch.empty(task.n_positions, dtype=torch.long)
@@ -276,14 +333,22 @@ def autoregressive_family_one_class(n: int) -> list[T.Task]:
 
 def block_generation_family_one_class(n: int, block: int) -> list[T.Task]:
     """The block generation family with every task's content (blocks ``< k``) in one
-    class instead of block-causal. The falsifier of the block two-stream merge."""
+    class instead of block-causal. The falsifier of the block two-stream merge.
+
+    >>> block_merge_matches(block_generation_family_one_class(6, 2), 6, 2)
+    False
+    """
     return [_one_class(t, [p for p, inp in enumerate(t.inputs) if inp])
             for t in T.block_generation_family(n, block)]
 
 
 def bidirectional_family_one_class(n: int) -> list[T.Task]:
     """The bidirectional family with every task's context (the two chains) in one class.
-    The falsifier of the butterfly merge."""
+    The falsifier of the butterfly merge.
+
+    >>> butterfly_merge_matches(bidirectional_family_one_class(4), 4)
+    False
+    """
     return [_one_class(t, [p for p, y in enumerate(t.targets) if y is None])
             for t in T.bidirectional_family(n)]
 
@@ -293,7 +358,12 @@ def supervised_bidirectional_family(n: int) -> list[T.Task]:
     ``t+1`` from ``0..t``) and previous-token tasks on the backward chain (predict ``t-1``
     from ``t..n-1``). Context nodes are the same as the butterfly's, so the merge keeps
     the butterfly's mask and supervises its chain positions too (our construction, not the
-    paper's)."""
+    paper's).
+
+    >>> merged = T.minimal_merge(supervised_bidirectional_family(4))
+    >>> same_mask_up_to_layout(merged, T.butterfly(4)), position_supervision_density(merged)
+    (True, 1.0)
+    """
     n = check_int("n", n, 2)
     tasks = list(T.bidirectional_family(n))
     for t in range(n - 1):  # forward: tokens 0..t, the last predicts t + 1
@@ -414,7 +484,17 @@ def same_mask_up_to_layout(a: T.Task, b: T.Task) -> bool:
 def embedded_tasks(family: Sequence[T.Task], merged: T.Task) -> int:
     """How many tasks of ``family`` have a Hasse diagram that embeds in ``merged``'s
     (:func:`companion.hasse.task_merge.diagram_embedding`: same inputs, covers onto
-    covers, targets kept)."""
+    covers, targets kept).
+
+    >>> fam = T.autoregressive_family(3)
+    >>> embedded_tasks(fam, T.minimal_merge(fam))
+    3
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: the minimal merged task is a common supergraph of the
+    family's Hasse diagrams (Theorem 3.7, numbered by a secondary summary).
+    """
     return sum(T.diagram_embedding(t, merged) is not None for t in family)
 
 
@@ -426,6 +506,15 @@ def merge_is_minimal(family: Sequence[T.Task], merged: T.Task,
 
     ``check``: the :func:`companion.hasse.task_merge.merge_check` of ``family`` and
     ``merged`` when it is already computed (it is the slow part), else None.
+
+    >>> fam = T.autoregressive_family(3)
+    >>> merge_is_minimal(fam, T.minimal_merge(fam)), merge_is_minimal(fam, disjoint_union(fam))
+    (True, False)
+
+    References
+    ----------
+    C. Li and H. Guo, arXiv 2606.09951: Definition 3.5 (node equivalence) and Theorem 3.7 (the
+    minimal merged task), numbered by a secondary summary.
     """
     if check is None:
         check = T.merge_check(family, merged)
@@ -499,13 +588,23 @@ def position_supervision_density(task: T.Task) -> float:
 
 def token_supervision_density(task: T.Task) -> float:
     """Fraction of the sequence's tokens that some position predicts
-    (:func:`companion.hasse.task_merge.supervision_density`)."""
+    (:func:`companion.hasse.task_merge.supervision_density`).
+
+    >>> token_supervision_density(T.butterfly(4))
+    1.0
+    """
     return T.supervision_density(task)
 
 
 def leaking_positions(tasks: Sequence[T.Task]) -> int:
     """Positions, over ``tasks``, that reach the token they predict through the limit
-    ``R`` (:func:`companion.hasse.task_merge.self_leakage`)."""
+    ``R`` (:func:`companion.hasse.task_merge.self_leakage`).
+
+    >>> leaking_positions([T.butterfly(4), T.leaky_bidirectional(4)]) > 0
+    True
+    >>> leaking_positions([T.butterfly(4)])
+    0
+    """
     return sum(len(T.self_leakage(t)) for t in tasks)
 
 

@@ -809,6 +809,11 @@ def self_leakage(task: Task, layers: int | None = None) -> tuple[int, ...]:
     """Positions whose own target token can reach them (through ``R``, or ``A^layers``).
 
     Empty for a task that never lets a prediction see the token it predicts.
+
+    >>> self_leakage(butterfly(3))
+    ()
+    >>> len(self_leakage(leaky_bidirectional(3))) > 0
+    True
     """
     seen = tokens_visible(task, layers)
     return tuple(
