@@ -47,6 +47,10 @@ class TokenDataset:
     labels : torch.Tensor
         int64 ``[n]``.
     num_classes, vocab_size : int
+
+    >>> d = TokenDataset("toy", torch.zeros(2, 3, dtype=torch.long), torch.tensor([0, 1]), 2, 5)
+    >>> d.tokens.shape, d.num_classes
+    (torch.Size([2, 3]), 2)
     """
 
     name: str
@@ -57,7 +61,15 @@ class TokenDataset:
 
 
 class DataNotFoundError(FileNotFoundError, ValueError):
-    """The files of a data set are not where the loader looks (nothing is downloaded)."""
+    """The files of a data set are not where the loader looks (nothing is downloaded).
+
+    >>> import tempfile
+    >>> try:
+    ...     load_imdb_bytes(tempfile.mkdtemp())
+    ... except DataNotFoundError as err:
+    ...     print(str(err)[:5], isinstance(err, FileNotFoundError))
+    IMDB: True
+    """
 
 
 def _missing(path: Path, what: str, how: str) -> DataNotFoundError:
@@ -93,6 +105,15 @@ def load_cifar10_grey(root: str | Path, *, split: str = "train"):
     """CIFAR-10 as LRA Image: ``(tokens [n, 1024] int64 in 0..255, labels [n] int64)``.
 
     ``split``: "train" (data_batch_1..5, 50,000 images) or "test" (10,000).
+
+    >>> import pathlib, tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp()); (root / "cifar-10-batches-py").mkdir()
+    >>> batch = {b"data": np.full((2, 3072), 255, dtype=np.uint8), b"labels": [3, 7]}
+    >>> with open(root / "cifar-10-batches-py" / "test_batch", "wb") as fh:
+    ...     pickle.dump(batch, fh)
+    >>> tokens, labels = load_cifar10_grey(root, split="test")
+    >>> tokens.shape, int(tokens.max()), labels.tolist()
+    (torch.Size([2, 1024]), 255, [3, 7])
     """
     _check_split(split, ("train", "test"))
     folder = Path(root) / "cifar-10-batches-py"
@@ -133,6 +154,15 @@ def load_imdb_bytes(root: str | Path, *, split: str = "train", max_length: int =
     """IMDB reviews as LRA Text: ``(tokens [n, max_length] int64, labels [n])``, 1 = pos.
 
     Vocabulary 257 (256 bytes + padding). Files are read in sorted order.
+
+    >>> import pathlib, tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> for sub, text in (("neg", "bad"), ("pos", "good")):
+    ...     (root / "aclImdb" / "test" / sub).mkdir(parents=True)
+    ...     _ = (root / "aclImdb" / "test" / sub / "0_1.txt").write_text(text)
+    >>> tokens, labels = load_imdb_bytes(root, split="test", max_length=4)
+    >>> tokens.tolist(), labels.tolist()
+    ([[99, 98, 101, 0], [104, 112, 112, 101]], [0, 1])
     """
     _check_split(split, ("train", "test"))
     texts, labels = [], []
@@ -152,6 +182,13 @@ def load_aan_pairs(root: str | Path, *, split: str = "train", max_length: int = 
     Returns ``(tokens_1, tokens_2, labels)``: two ``[n, max_length]`` byte-id tensors
     and ``[n]`` int64 labels (1 = the papers cite each other).
     ``split``: "train", "eval" or "test" (the LRA release's names).
+
+    >>> import pathlib, tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (root / "new_aan_pairs.test.tsv").write_text(chr(9).join("1 a b ab cd".split()))
+    >>> first, second, labels = load_aan_pairs(root, split="test", max_length=3)
+    >>> first.tolist(), second.tolist(), labels.tolist()
+    ([[98, 99, 0]], [[100, 101, 0]], [1])
     """
     _check_split(split, ("train", "eval", "test"))
     path = Path(root) / f"new_aan_pairs.{split}.tsv"

@@ -51,6 +51,20 @@ class MultiHeadAttention(nn.Module):
 
     After a forward with ``self.record = True`` the attribute ``last_edges`` holds the
     sampled ``(group, query, key)`` edge list (SBM) for inspection.
+
+    >>> attn = MultiHeadAttention(8, 2, 4, attention="sbm", num_clusters=3)
+    >>> x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    >>> y, density = attn(x, generator=torch.Generator().manual_seed(1))
+    >>> y.shape, density.shape, bool(((density >= 0) & (density <= 1)).all())
+    (torch.Size([2, 5, 8]), torch.Size([2, 2]), True)
+    >>> MultiHeadAttention(8, 2, 4, attention="dense")(x)[1]  # dense heads: density 1
+    tensor([[1., 1.],
+            [1., 1.]])
+
+    References
+    ----------
+    Cho et al., arXiv 2210.15541: SBM-Transformer heads, each choosing its edges per input
+    (abstract; the settings from the authors' code).
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, *, attention: str = "sbm",
@@ -102,7 +116,14 @@ class MultiHeadAttention(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-LN block: attention and GELU FFN, each with dropout and a residual."""
+    """Pre-LN block: attention and GELU FFN, each with dropout and a residual.
+
+    >>> block = EncoderBlock(8, 2, 4, 16, 0.0, attention="dense")
+    >>> x = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(0))
+    >>> y, density = block(x)
+    >>> y.shape, density.shape
+    (torch.Size([1, 5, 8]), torch.Size([1, 2]))
+    """
 
     def __init__(self, dim, heads, head_dim, ffn, dropout, **attn_kwargs):
         super().__init__()
@@ -148,6 +169,18 @@ class LRAClassifier(nn.Module):
     ----------
     Per layer ``O(n dim (dim + ffn))`` plus attention: ``O(n^2 d)`` dense, or
     ``O(E (d + k) + n k d)`` SBM for ``E`` sampled edges.
+
+    >>> model = LRAClassifier(10, 6, 3, dim=8, heads=2, head_dim=4, ffn=16, num_layers=1,
+    ...                       num_clusters=2)
+    >>> tokens = torch.tensor([[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]])
+    >>> logits, densities = model(tokens, generator=torch.Generator().manual_seed(0))
+    >>> logits.shape, len(densities), densities[0].shape
+    (torch.Size([2, 3]), 1, torch.Size([2, 2]))
+
+    References
+    ----------
+    Cho et al., arXiv 2210.15541: the SBM-Transformer's LRA encoder (abstract; the
+    architecture from the authors' ``lra_config.py``).
     """
 
     def __init__(self, vocab_size: int, seq_len: int, num_classes: int, *,
