@@ -62,6 +62,11 @@ class PathfinderSet:
         int64 ``[n]``, 1 = the markers are connected.
     markers : torch.Tensor
         int64 ``[n, 2, 2]``: (row, column) of the pixel under each marker centre.
+
+    >>> d = generate(6, seed=0, size=10, contour_length=3, num_distractors=0,
+    ...              paddle_length=1.5, marker_radius=1.0)
+    >>> d.images.shape, d.labels.shape, d.markers.shape
+    (torch.Size([6, 10, 10]), torch.Size([6]), torch.Size([6, 2, 2]))
     """
 
     images: torch.Tensor
@@ -273,6 +278,11 @@ def generate(
     .. [2] Y. Tay, M. Dehghani, S. Abnar, Y. Shen, D. Bahri, P. Pham, J. Rao, L. Yang,
        S. Ruder, D. Metzler, "Long Range Arena: A Benchmark for Efficient Transformers",
        ICLR 2021, arXiv:2011.04006: Pathfinder as a sequence task.
+
+    >>> d = generate(6, seed=0, size=10, contour_length=3, num_distractors=0,
+    ...              paddle_length=1.5, marker_radius=1.0)
+    >>> int(d.labels.sum()), bool(((d.images >= 0) & (d.images <= 1)).all())
+    (3, True)
     """
     for name, val in (("n", n), ("seed", seed), ("size", size),
                       ("contour_length", contour_length)):
@@ -423,6 +433,10 @@ def distance_matched_subset(markers: torch.Tensor, labels: torch.Tensor) -> torc
     int64 tensor of sorted indices into ``labels``.
 
     Complexity: ``O(n log n)``.
+
+    >>> markers = torch.tensor([[[0, 0], [0, 3]], [[0, 0], [3, 0]], [[0, 0], [0, 5]]])
+    >>> distance_matched_subset(markers, torch.tensor([1, 0, 1]))  # item 2 has no match
+    tensor([0, 1])
     """
     check_tensor("markers", markers)
     check_tensor("labels", labels)
@@ -448,6 +462,12 @@ def shortcut_accuracies(data: PathfinderSet) -> dict:
     ``marker to border``: pixels between the border and the marker closest to it;
     ``ink pixels``: number of non-black pixels; ``total ink``: sum of intensities.
     A model that traces paths should beat all of them.
+
+    >>> d = generate(6, seed=0, size=10, contour_length=3, num_distractors=0,
+    ...              paddle_length=1.5, marker_radius=1.0)
+    >>> acc = shortcut_accuracies(d)
+    >>> sorted(acc), all(0.5 <= a <= 1 for a in acc.values())
+    (['ink pixels', 'marker distance', 'marker to border', 'total ink'], True)
     """
     if not isinstance(data, PathfinderSet):
         raise TypeError(f"data: expected a PathfinderSet, got {describe(data)}")
