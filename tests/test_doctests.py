@@ -65,20 +65,6 @@ WITHOUT_EXAMPLE = {
     "context_similarity.stats.SimilarityStats": "no example yet",
     "context_similarity.topk.TopPairsTuning": "no example yet",
     "context_similarity.workspace.work_buffer": "no example yet",
-    "lra.experiments.TrainJob": "no example yet",
-    "lra.experiments.RunRecord": "no example yet",
-    "lra.experiments.per_item": "no example yet",
-    "lra.experiments.ddp_jobs": "no example yet",
-    "lra.experiments.run_jobs": "no example yet",
-    "lra.experiments.Comparison": "no example yet",
-    "lra.experiments.model_flops": "no example yet",
-    "lra.experiments.peak_memory": "no example yet",
-    "lra.experiments.poisson_dispersion": "no example yet",
-    "lra.train.TrainConfig": "no example yet",
-    "lra.train.TrainResult": "no example yet",
-    "lra.train.evaluate": "no example yet",
-    "lra.train.train": "no example yet",
-    "lra.train.main": "no example yet",
 }
 
 

@@ -45,7 +45,16 @@ __all__ = ["TrainJob", "RunRecord", "run_jobs", "compare_attentions", "Compariso
 @dataclass(frozen=True)
 class TrainJob:
     """One training run: ``task`` names the entry of the data dict given to
-    :func:`run_jobs`; the rest are the model and :class:`TrainConfig` settings."""
+    :func:`run_jobs`; the rest are the model and :class:`TrainConfig` settings.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6), generator=g), torch.arange(8) % 2
+    >>> data = {"toy": [(tokens, labels)] * 3}
+    >>> job = TrainJob("toy", "sbm", seed=0, lam=0.0, steps=1, vocab=5, classes=2, pad=0,
+    ...                clusters=2, dropout=0.0, lr=1e-3, batch=4)
+    >>> job.key
+    ('toy', 'sbm', 0, 0.0)
+    """
 
     task: str
     attention: str
@@ -69,7 +78,17 @@ class TrainJob:
 @dataclass
 class RunRecord:
     """A trained model, its :class:`TrainResult` and per-test-item records
-    (numpy arrays over the test split: ``correct`` bool, ``nll``, ``density``)."""
+    (numpy arrays over the test split: ``correct`` bool, ``nll``, ``density``).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6), generator=g), torch.arange(8) % 2
+    >>> data = {"toy": [(tokens, labels)] * 3}
+    >>> job = TrainJob("toy", "sbm", seed=0, lam=0.0, steps=1, vocab=5, classes=2, pad=0,
+    ...                clusters=2, dropout=0.0, lr=1e-3, batch=4)
+    >>> record = run_jobs([job], data, device="cpu", workers=1, nproc=1)[job.key]
+    >>> isinstance(record, RunRecord), record.correct.shape, record.density.shape
+    (True, (8,), (8,))
+    """
 
     model: LRAClassifier
     result: TrainResult
@@ -89,7 +108,16 @@ def _build(job: TrainJob, seq_len: int, device) -> LRAClassifier:
 def per_item(model: LRAClassifier, tokens: torch.Tensor, labels: torch.Tensor, *,
              batch_size: int = 100, seed: int = 0):
     """Per test item: prediction right (bool), NLL of the true label, mean density over
-    layers and heads (1 for dense). SBM graphs drawn with a generator seeded ``seed``."""
+    layers and heads (1 for dense). SBM graphs drawn with a generator seeded ``seed``.
+
+    >>> from companion.lra.model import LRAClassifier
+    >>> model = LRAClassifier(5, 6, 2, attention="dense", dim=8, heads=2, head_dim=4, ffn=8,
+    ...                       num_layers=1)
+    >>> tokens, labels = torch.randint(1, 5, (3, 6)), torch.tensor([0, 1, 1])
+    >>> correct, nll, density = per_item(model, tokens, labels)
+    >>> correct.dtype, bool((nll > 0).all()), density.tolist()  # dense: density 1
+    (dtype('bool'), True, [1.0, 1.0, 1.0])
+    """
     gen = torch.Generator(device=tokens.device).manual_seed(seed)
     was = model.training
     model.eval()
@@ -212,6 +240,14 @@ def ddp_jobs(jobs, data: dict, *, device: str = "cpu", progress: bool = False) -
     (:func:`companion.lra.train.train`); rank ``r`` uses GPU ``LOCAL_RANK`` when
     ``device`` is "cuda". Returns, on every rank, ``[(job, state_dict, TrainResult,
     correct, nll, density, seconds)]`` with CPU tensors.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6), generator=g), torch.arange(8) % 2
+    >>> data = {"toy": [(tokens, labels)] * 3}
+    >>> job = TrainJob("toy", "sbm", seed=0, lam=0.0, steps=1, vocab=5, classes=2, pad=0,
+    ...                clusters=2, dropout=0.0, lr=1e-3, batch=4)
+    >>> [(row[0].key, row[2].best_step >= 0) for row in ddp_jobs([job], data)]  # 1 process
+    [(('toy', 'sbm', 0, 0.0), True)]
     """
     import torch.distributed as dist
     from torch import nn
@@ -254,6 +290,14 @@ def run_jobs(jobs, data: dict, *, device, workers: int | None = None,
     every global batch, so ``batch`` must divide by ``nproc``; without dropout the result
     equals one process up to float rounding (the test), with dropout each process draws
     its own masks.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6), generator=g), torch.arange(8) % 2
+    >>> data = {"toy": [(tokens, labels)] * 3}
+    >>> job = TrainJob("toy", "sbm", seed=0, lam=0.0, steps=1, vocab=5, classes=2, pad=0,
+    ...                clusters=2, dropout=0.0, lr=1e-3, batch=4)
+    >>> sorted(run_jobs([job], data, device="cpu", workers=1, nproc=1))
+    [('toy', 'sbm', 0, 0.0)]
     """
     from companion.parallel import requested_nproc, torchrun_call
 
@@ -312,7 +356,12 @@ ATTENTIONS = ("dense", "sbm")
 class Comparison:
     """The runs of :func:`compare_attentions`: ``records`` maps ``(task, attention,
     seed, lam)`` to its :class:`RunRecord`; ``seconds`` is the wall time of all of them,
-    ``workers`` the worker processes they ran in."""
+    ``workers`` the worker processes they ran in.
+
+    >>> c = Comparison({("toy", "dense", 0, 0.0): "run"}, [0], 0.0, 1.0, 1)
+    >>> c.runs("toy", "dense")
+    ['run']
+    """
 
     records: dict
     seeds: list
@@ -443,6 +492,16 @@ def model_flops(n_valid, density, *, attention: str, dim: int = 64,
     (``4 n d k``), ``C C^T`` (``2 k^2 d``) and ``Qhat S`` in fastRG (``2 n k^2``).
     The classifier adds ``2 (dim ffn + ffn classes)``. Embedding look-ups, LayerNorm,
     softmax and the O(E) index work of sampling are not counted (O(n) or O(E) each).
+
+    >>> dense = model_flops(1024, None, attention="dense")
+    >>> sbm = model_flops(1024, 0.1, attention="sbm")
+    >>> sbm < dense, model_flops([512, 1024], [0.1, 0.1], attention="sbm").shape
+    (True, (2,))
+
+    References
+    ----------
+    Cho et al., arXiv 2210.15541: a cost linear in the number of edges (abstract); the
+    architecture from the authors' ``lra_config.py``.
     """
     n = np.asarray(n_valid, dtype=float)
     per_layer = 2 * n * dim * 4 * heads * head_dim + 4 * n * dim * ffn
@@ -478,6 +537,10 @@ def peak_memory(fn) -> float | None:
     kernel's high-water mark is reset (``/proc/self/clear_refs``) and
     ``VmHWM - RSS before`` is read after a second call. The threshold stays set: call
     this after the training of a chapter, not before.
+
+    >>> peak = peak_memory(lambda: np.ones(1 << 22))  # 32 MiB of float64
+    >>> peak is None or peak > 16 * 2 ** 20
+    True
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -530,7 +593,15 @@ def poisson_dispersion(counts: torch.Tensor, p: torch.Tensor, *, groups: int = 2
     which is 1 (up to ``sqrt(2 / entries)``) when the counts have mean ``P`` and Poisson
     variance ``P``, and grows with any bias of the mean. Returns the mean over groups and
     a bootstrap interval over the groups. ``counts`` ``[R, entries]``, ``p``
-    ``[entries]`` (entries with ``P > 0``)."""
+    ``[entries]`` (entries with ``P > 0``).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> p = torch.full((50,), 2.0)
+    >>> counts = torch.poisson(p.expand(400, 50), generator=g)
+    >>> value, (lo, hi) = poisson_dispersion(counts, p, reps=100)
+    >>> 0.5 < value < 1.5, poisson_dispersion(counts + 1, p, reps=100)[0] > 10
+    (True, True)
+    """
     c = counts.double()
     p = p.double()
     groups = check_int("groups", groups, minimum=2)

@@ -41,7 +41,15 @@ from companion.sbm import density_regularizer
 
 @dataclass
 class TrainConfig:
-    """Hyper-parameters of :func:`train` (defaults: the paper's ListOps run)."""
+    """Hyper-parameters of :func:`train` (defaults: the paper's ListOps run).
+
+    >>> TrainConfig(steps=10, batch_size=4).lr
+    0.0005
+    >>> TrainConfig(steps=0)
+    Traceback (most recent call last):
+        ...
+    ValueError: steps: expected an int >= 1, got 0
+    """
 
     steps: int = 5000
     batch_size: int = 128
@@ -87,6 +95,17 @@ class TrainResult:
     test_accuracy, test_density : on the test set with the kept parameters;
         ``test_density`` is ``[layers][heads]``.
     seconds : wall time of the training loop (without final evaluation).
+
+    >>> from companion.lra.model import LRAClassifier
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = LRAClassifier(5, 6, 2, attention="sbm", dim=8, heads=2, head_dim=4, ffn=8,
+    ...                       num_layers=1, num_clusters=2)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6)), torch.arange(8) % 2
+    >>> config = TrainConfig(steps=2, batch_size=4, eval_every=1)
+    >>> result = train(model, (tokens, labels), (tokens, labels), (tokens, labels), config)
+    >>> isinstance(result, TrainResult), len(result.losses), len(result.evals)
+    (True, 2, 2)
     """
 
     losses: list = field(default_factory=list)
@@ -136,6 +155,16 @@ def evaluate(model: nn.Module, data, *, batch_size: int = 256, seed: int = 0):
 
     Sharded over processes when a process group is initialised (each process takes
     every ``W``-th batch); SBM sampling uses a generator seeded with ``seed + rank``.
+
+    >>> from companion.lra.model import LRAClassifier
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = LRAClassifier(5, 6, 2, attention="sbm", dim=8, heads=2, head_dim=4, ffn=8,
+    ...                       num_layers=1, num_clusters=2)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6)), torch.arange(8) % 2
+    >>> accuracy, density = evaluate(model, (tokens, labels))
+    >>> 0 <= accuracy <= 1, len(density), len(density[0])  # [layers][heads]
+    (True, 1, 2)
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     seed = check_int("seed", seed)
@@ -190,6 +219,23 @@ def train(model: nn.Module, train_data, dev_data, test_data, config: TrainConfig
     ----------
     ``steps`` forward/backward passes of ``batch_size / W`` examples per process, plus
     ``steps / eval_every`` dev evaluations.
+
+    >>> from companion.lra.model import LRAClassifier
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = LRAClassifier(5, 6, 2, attention="sbm", dim=8, heads=2, head_dim=4, ffn=8,
+    ...                       num_layers=1, num_clusters=2)
+    >>> tokens, labels = torch.randint(1, 5, (8, 6)), torch.arange(8) % 2
+    >>> config = TrainConfig(steps=3, batch_size=4, eval_every=1, lam=1e-3)
+    >>> result = train(model, (tokens, labels), (tokens, labels), (tokens, labels), config)
+    >>> result.best_step in (1, 2, 3), 0 <= result.test_accuracy <= 1
+    (True, True)
+
+    References
+    ----------
+    Cho et al., arXiv 2210.15541: the training objective with a penalty ``lam`` on the
+    sampled graphs' density (settings from the authors' ``lra_config.py`` and
+    ``run_tasks.sh``).
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config: expected a TrainConfig, got {describe(config)}")
@@ -284,6 +330,16 @@ def main(argv=None) -> dict:
 
     Generates the task with the given seed (identically on every process), trains, and
     writes the :class:`TrainResult` as JSON to ``--out`` from rank 0.
+
+    >>> import json, pathlib, tempfile
+    >>> out = pathlib.Path(tempfile.mkdtemp()) / "result.json"
+    >>> result = main(["--device", "cpu", "--n-train", "8", "--n-eval", "4", "--seq-len", "32",
+    ...                "--min-length", "4", "--max-length", "30", "--max-depth", "2",
+    ...                "--steps", "1", "--batch-size", "4", "--eval-every", "1",
+    ...                "--clusters", "2", "--out", str(out)])
+    test accuracy ... at step 1; wrote ...result.json
+    >>> sorted(json.loads(out.read_text())) == sorted(result)
+    True
     """
     from companion.devices import resolve_device
     from companion.lra.model import LRAClassifier
