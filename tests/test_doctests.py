@@ -33,7 +33,6 @@ WITHOUT_EXAMPLE = {
     "context_similarity.capture.wo_gram": "no example yet",
     "context_similarity.capture.BatchResult": "no example yet",
     "context_similarity.capture.analyse_batch": "no example yet",
-    "context_similarity.corpus.checkpoint_dir": "no example yet",
     "context_similarity.corpus.checkpoint_key": "no example yet",
     "context_similarity.encoder.ModelNotFoundError": "no example yet",
     "context_similarity.encoder.default_model_path": "no example yet",
@@ -44,16 +43,7 @@ WITHOUT_EXAMPLE = {
     "context_similarity.measures.paper_measurements": "no example yet",
     "context_similarity.reference.stats_reference": "no example yet",
     "context_similarity.reference.window_sums_reference": "no example yet",
-    "context_similarity.segmentation.combine": "no example yet",
-    "context_similarity.segmentation.segment": "no example yet",
-    "context_similarity.segmentation_eval.strip_sentence_punctuation": "no example yet",
-    "context_similarity.segmentation_eval.split_documents": "no example yet",
-    "context_similarity.segmentation_eval.pk_windowdiff": "no example yet",
     "context_similarity.segmentation_eval.window_features": "no example yet",
-    "context_similarity.segmentation_eval.head_contrast": "no example yet",
-    "context_similarity.segmentation_eval.predict_all": "no example yet",
-    "context_similarity.segmentation_eval.tune": "no example yet",
-    "context_similarity.segmentation_eval.Scores": "no example yet",
     "context_similarity.segmentation_eval.Condition": "no example yet",
     "context_similarity.segmentation_eval.evaluate": "no example yet",
     "context_similarity.stats.ScatterAdd": "no example yet",
@@ -64,7 +54,6 @@ WITHOUT_EXAMPLE = {
     "context_similarity.stats.PairBatch": "no example yet",
     "context_similarity.stats.SimilarityStats": "no example yet",
     "context_similarity.topk.TopPairsTuning": "no example yet",
-    "context_similarity.workspace.work_buffer": "no example yet",
 }
 
 

@@ -331,7 +331,12 @@ def checkpoint_dir() -> Path:
     ``$COMPANION_CHECKPOINT_DIR`` when set, else ``.cache/checkpoints/context_similarity``
     at the repository root (beside ``.cache/corpora`` and ``.cache/models``, git-ignored)
     in a source checkout, else ``~/.cache/companion/checkpoints/context_similarity``.
-    Nothing is created here."""
+    Nothing is created here.
+
+    >>> import os
+    >>> checkpoint_dir().name, checkpoint_dir().is_absolute()
+    ('context_similarity', True)
+    """
     env = os.environ.get("COMPANION_CHECKPOINT_DIR")
     if env:
         return Path(env).expanduser().resolve()

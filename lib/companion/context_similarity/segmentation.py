@@ -245,6 +245,13 @@ def combine(sims: torch.Tensor, layers=None, heads=None, *, symmetrise: bool = F
     Tensor [B, n, n] in the input's precision, at least float32: each head's matrix
     standardised (:func:`standardise`),
     averaged over the chosen heads and layers, (detrended,) standardised again.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> blocks = torch.block_diag(torch.ones(3, 3), torch.ones(4, 4)) * 2 - 1  # two sentences
+    >>> sims = blocks + 0.1 * torch.randn(2, 2, 3, 7, 7, generator=g)  # [B, L, H, n, n]
+    >>> m = combine(sims, layers=[1], heads=[0, 2])
+    >>> m.shape, bool(m[0, 0, 1] > 0 > m[0, 0, 5])  # same sentence above, across below
+    (torch.Size([2, 7, 7]), True)
     """
     check_tensor("sims", sims, ndim=5, floating=True, nonempty=True,
                  shape_text="[B, L, H, n, n]")
@@ -583,6 +590,19 @@ def segment(sims: torch.Tensor, penalty, layers=None, heads=None, *,
     Returns
     -------
     BoolTensor [B, n] (or [B, P, n] for several penalties), True where a sentence starts.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> blocks = torch.block_diag(torch.ones(3, 3), torch.ones(4, 4)) * 2 - 1  # two sentences
+    >>> sims = blocks + 0.1 * torch.randn(2, 2, 3, 7, 7, generator=g)  # [B, L, H, n, n]
+    >>> segment(sims, 0.0).int().tolist()  # a sentence starts at token 3
+    [[0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0]]
+    >>> segment(sims, [0.0, 100.0]).shape  # one row per penalty
+    torch.Size([2, 2, 7])
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract: final-layer attention on separators, suggesting
+    segmentation.
     """
     return optimal_segmentation(combine(sims, layers, heads, symmetrise=symmetrise,
                                         detrend=detrend), penalty)

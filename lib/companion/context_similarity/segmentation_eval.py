@@ -103,6 +103,10 @@ def strip_sentence_punctuation(corpus: Corpus) -> Corpus:
     Brown text is tokenised with spaces around punctuation, so this removes the marks
     that end its sentences (and the same marks inside sentences); abbreviation dots inside
     words ("Mr.", "U.S.") and commas stay. Sentences left empty are dropped.
+
+    >>> corpus = Corpus("toy", [Document("d", ["Mr. Smith left .", "Why ?"])])
+    >>> strip_sentence_punctuation(corpus).documents[0].sentences
+    ['Mr. Smith left', 'Why']
     """
     if not isinstance(corpus, Corpus):
         raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
@@ -198,7 +202,11 @@ def first_windows_per_document(windows: Windows, per_document: int) -> Windows:
 
 
 def split_documents(documents, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Development and test documents: a seeded shuffle, then alternate assignment."""
+    """Development and test documents: a seeded shuffle, then alternate assignment.
+
+    >>> split_documents([3, 5, 7, 9], seed=0)
+    ([5, 7], [3, 9])
+    """
     documents = list(documents)
     if len(documents) < 2:
         raise ValueError(f"documents: expected at least 2 documents to split, got {len(documents)}")
@@ -301,6 +309,11 @@ def pk_windowdiff(gold, pred, k: int) -> tuple[float, float]:
        segmentation", Machine Learning 34, 1999: Pk.
     .. [2] L. Pevzner, M. A. Hearst, "A critique and improvement of an evaluation metric
        for text segmentation", Computational Linguistics 28(1), 2002: WindowDiff.
+
+    >>> pk_windowdiff([1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 0, 0], 2)
+    (0.0, 0.0)
+    >>> pk_windowdiff([1, 0, 0, 1, 0, 0], [1, 0, 0, 0, 1, 0], 2)
+    (0.5, 0.5)
     """
     from nltk.metrics.segmentation import pk, windowdiff
 
@@ -413,7 +426,17 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
 def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -> torch.Tensor:
     """Per layer and head: mean standardised similarity of same-sentence pairs minus that
     of different-sentence pairs, both at distance ``1..max_distance`` (so that locality
-    does not count). ``z`` [N, L, H, n, n], ``gold`` [N, n]. Returns [L, H] float64."""
+    does not count). ``z`` [N, L, H, n, n], ``gold`` [N, n]. Returns [L, H] float64.
+
+    >>> from companion.context_similarity import segmentation as sg
+    >>> g = torch.Generator().manual_seed(0)
+    >>> blocks = torch.block_diag(torch.ones(4, 4), torch.ones(4, 4)) * 2 - 1
+    >>> z = sg.standardise(blocks + 0.1 * torch.randn(4, 2, 2, 8, 8, generator=g))
+    >>> gold = torch.zeros(4, 8, dtype=torch.bool); gold[:, 4] = True  # sentence 2 at token 4
+    >>> feats = Features(z, z, torch.randn(4, 8, 4, generator=g))
+    >>> bool((head_contrast(z, gold) > 1).all())  # every head separates the two sentences
+    True
+    """
     max_distance = check_int("max_distance", max_distance, minimum=1)
     n = gold.shape[-1]
     sent = gold.long().cumsum(-1)  # [N, n] sentence number within the window
@@ -479,7 +502,20 @@ def predict_all(methods: list, feats: Features, generator: torch.Generator | Non
                 ) -> dict:
     """``{name: [N, n] bool}`` for every method; the dynamic-programming methods run
     stacked (one batched call per chunk, with every distinct penalty), which gives the
-    same boundaries as :meth:`Method.predict` one by one (checked in the tests)."""
+    same boundaries as :meth:`Method.predict` one by one (checked in the tests).
+
+    >>> from companion.context_similarity import segmentation as sg
+    >>> g = torch.Generator().manual_seed(0)
+    >>> blocks = torch.block_diag(torch.ones(4, 4), torch.ones(4, 4)) * 2 - 1
+    >>> z = sg.standardise(blocks + 0.1 * torch.randn(4, 2, 2, 8, 8, generator=g))
+    >>> gold = torch.zeros(4, 8, dtype=torch.bool); gold[:, 4] = True  # sentence 2 at token 4
+    >>> feats = Features(z, z, torch.randn(4, 8, 4, generator=g))
+    >>> methods = tune(feats, gold, final_layers=[1], penalties=[0.0], widths=(2,),
+    ...                cutoffs=(0.0,))
+    >>> predictions = predict_all(methods, feats, generator=g)
+    >>> torch.equal(predictions["head outputs, tuned"], gold)
+    True
+    """
     with _loop_threads() as workers:
         return _predict_all(methods, feats, generator,
                             workers if feats.heads.device.type == "cpu" else 1)
@@ -578,6 +614,17 @@ def tune(feats: Features, gold: torch.Tensor, *, final_layers, penalties,
     detrending).
 
     Returns the list of :class:`Method` with fixed parameters.
+
+    >>> from companion.context_similarity import segmentation as sg
+    >>> g = torch.Generator().manual_seed(0)
+    >>> blocks = torch.block_diag(torch.ones(4, 4), torch.ones(4, 4)) * 2 - 1
+    >>> z = sg.standardise(blocks + 0.1 * torch.randn(4, 2, 2, 8, 8, generator=g))
+    >>> gold = torch.zeros(4, 8, dtype=torch.bool); gold[:, 4] = True  # sentence 2 at token 4
+    >>> feats = Features(z, z, torch.randn(4, 8, 4, generator=g))
+    >>> methods = tune(feats, gold, final_layers=[1], penalties=[0.0, 1.0], widths=(2,),
+    ...                cutoffs=(0.0,))
+    >>> methods[0].name, methods[0].params["dev_f1"]  # F1 ±1 on these windows
+    ('head outputs, tuned', 1.0)
     """
     with _loop_threads() as workers:
         return _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
@@ -733,6 +780,17 @@ class Scores:
 
     ``stats[name]`` is a float64 array [N, 8]: tp, fp, fn (exact), tp, fp, fn (±1), Pk,
     WindowDiff; ``documents`` [N] the document of each window.
+
+    >>> from companion.context_similarity import segmentation as sg
+    >>> g = torch.Generator().manual_seed(0)
+    >>> blocks = torch.block_diag(torch.ones(4, 4), torch.ones(4, 4)) * 2 - 1
+    >>> z = sg.standardise(blocks + 0.1 * torch.randn(4, 2, 2, 8, 8, generator=g))
+    >>> gold = torch.zeros(4, 8, dtype=torch.bool); gold[:, 4] = True  # sentence 2 at token 4
+    >>> feats = Features(z, z, torch.randn(4, 8, 4, generator=g))
+    >>> scores = Scores.compute(gold, {"gold": gold, "none": torch.zeros_like(gold)},
+    ...                         documents=[0, 0, 1, 1], k=2)
+    >>> scores.stats["gold"][0].tolist()  # tp fp fn, tp fp fn (±1), Pk, WindowDiff
+    [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     """
 
     stats: dict

@@ -53,7 +53,15 @@ class Workspace:
 
 def work_buffer(workspace: Workspace | None, name: str, numel: int, dtype,
                 device) -> torch.Tensor:
-    """``workspace.buffer(...)``, or a fresh tensor without a workspace."""
+    """``workspace.buffer(...)``, or a fresh tensor without a workspace.
+
+    >>> work_buffer(None, "x", 3, torch.float32, "cpu").shape  # no workspace: a fresh tensor
+    torch.Size([3])
+    >>> ws = Workspace()
+    >>> work_buffer(ws, "x", 3, torch.float32, "cpu").data_ptr() == ws.buffer(
+    ...     "x", 3, torch.float32, "cpu").data_ptr()
+    True
+    """
     if workspace is None:
         return torch.empty(numel, dtype=dtype, device=device)
     if not isinstance(workspace, Workspace):
