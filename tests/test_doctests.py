@@ -31,18 +31,9 @@ WITHOUT_EXAMPLE = {
     "context_similarity.corpus.checkpoint_key": "no example yet",
     "context_similarity.encoder.load_encoder": "loads the bundled MiniLM: seconds",
     "context_similarity.measures.paper_measurements": "no example yet",
-    "context_similarity.reference.stats_reference": "no example yet",
-    "context_similarity.reference.window_sums_reference": "no example yet",
     "context_similarity.segmentation_eval.window_features": "no example yet",
     "context_similarity.segmentation_eval.Condition": "no example yet",
     "context_similarity.segmentation_eval.evaluate": "no example yet",
-    "context_similarity.stats.ScatterAdd": "no example yet",
-    "context_similarity.stats.BatchParts": "no example yet",
-    "context_similarity.stats.Statistic": "no example yet",
-    "context_similarity.stats.batch_sum": "no example yet",
-    "context_similarity.stats.window_sum": "no example yet",
-    "context_similarity.stats.PairBatch": "no example yet",
-    "context_similarity.stats.SimilarityStats": "no example yet",
     "context_similarity.topk.TopPairsTuning": "no example yet",
 }
 

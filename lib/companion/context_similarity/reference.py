@@ -166,6 +166,18 @@ def stats_reference(result, percentile: float, threshold: float, separators: dic
     (``chance_same_sentence_distance``). Separator attention: the attention mass content
     queries put on each separator kind; its chance: content queries times the share of
     separator keys among the non-padding keys.
+
+    >>> from companion.context_similarity import BatchResult, SimilarityStats
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(1, 2, 2, 6, 4, generator=g, dtype=torch.float64)  # [B, L, H, T, d]
+    >>> attn = torch.softmax(torch.randn(1, 2, 2, 6, 6, generator=g, dtype=torch.float64), -1)
+    >>> ids, sent = torch.tensor([[1, 7, 8, 5, 7, 2]]), torch.tensor([[-1, 0, 0, 0, 1, -1]])
+    >>> result = BatchResult(z, attn, ids, sent, torch.ones(1, 6, dtype=torch.long))
+    >>> stats = SimilarityStats(n_layers=2, n_heads=2, length=6, vocab_size=10,
+    ...                         separators={".": 5}).update(result)
+    >>> ref = stats_reference(result, stats.percentile, stats.attention_threshold, {".": 5}, 10)
+    >>> ref["n_high"].tolist(), torch.equal(ref["n_high"].long(), stats.n_high)
+    ([[1.0, 1.0], [1.0, 1.0]], True)
     """
     z, attn, ids, sent, mask = (result.outputs.double(), result.attentions,
                                 result.input_ids, result.sentence_ids,
@@ -236,7 +248,24 @@ def window_sums_reference(result, percentile: float, threshold: float, separator
     ``identical_long_range``, their chance counts (``k`` times the mean over the window's
     content pairs), ``tracked_endpoints`` / ``tracked_content`` of the token
     ``tracked[l, h]``, and the per-input sums (``distance_bins``, the hub token's counts
-    ``hub_*``, ``mid_same_sentence``, their chance counts), by counting."""
+    ``hub_*``, ``mid_same_sentence``, their chance counts), by counting.
+
+    >>> from companion.context_similarity import BatchResult, SimilarityStats
+    >>> from companion.context_similarity.stats import LONG_RANGE, SHORT_RANGE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(1, 2, 2, 6, 4, generator=g, dtype=torch.float64)  # [B, L, H, T, d]
+    >>> attn = torch.softmax(torch.randn(1, 2, 2, 6, 6, generator=g, dtype=torch.float64), -1)
+    >>> ids, sent = torch.tensor([[1, 7, 8, 5, 7, 2]]), torch.tensor([[-1, 0, 0, 0, 1, -1]])
+    >>> result = BatchResult(z, attn, ids, sent, torch.ones(1, 6, dtype=torch.long))
+    >>> stats = SimilarityStats(n_layers=2, n_heads=2, length=6, vocab_size=10,
+    ...                         separators={".": 5}, per_window=True).update(result)
+    >>> ref = window_sums_reference(result, stats.percentile, stats.attention_threshold,
+    ...                             {".": 5}, torch.zeros(2, 2, dtype=torch.long), SHORT_RANGE,
+    ...                             LONG_RANGE)
+    >>> ours = stats.window_sums()
+    >>> all(torch.allclose(ref[k].double(), ours[k].double()) for k in ref if k in ours)
+    True
+    """
     z, attn, ids, sent, mask = (result.outputs.double(), result.attentions,
                                 result.input_ids, result.sentence_ids,
                                 result.attention_mask.bool())

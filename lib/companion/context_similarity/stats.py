@@ -116,7 +116,12 @@ def mode_count(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ScatterAdd(NamedTuple):
     """A batch's part of a sum too large to build densely: add ``weights`` at the flat
-    positions ``index`` of the sum."""
+    positions ``index`` of the sum.
+
+    >>> part = ScatterAdd(torch.tensor([0, 2, 2]), torch.tensor([1.0, 1.0, 1.0]))
+    >>> torch.zeros(3).index_add_(0, part.index, part.weights)  # how a sum adds it
+    tensor([1., 0., 2.])
+    """
 
     index: torch.Tensor
     weights: torch.Tensor
@@ -125,7 +130,20 @@ class ScatterAdd(NamedTuple):
 class BatchParts(NamedTuple):
     """One batch's part of every sum (:meth:`SimilarityStats.batch_parts`): ``totals``,
     (name, tensor or :class:`ScatterAdd`) pairs added to the corpus sums, and ``windows``,
-    (name, [B, ...] float64) pairs appended to the per-window parts."""
+    (name, [B, ...] float64) pairs appended to the per-window parts.
+
+    >>> from companion.context_similarity.capture import BatchResult
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(1, 2, 2, 6, 4, generator=g, dtype=torch.float64)  # [B, L, H, T, d]
+    >>> attn = torch.softmax(torch.randn(1, 2, 2, 6, 6, generator=g, dtype=torch.float64), -1)
+    >>> ids, sent = torch.tensor([[1, 7, 8, 5, 7, 2]]), torch.tensor([[-1, 0, 0, 0, 1, -1]])
+    >>> result = BatchResult(z, attn, ids, sent, torch.ones(1, 6, dtype=torch.long))
+    >>> stats = SimilarityStats(n_layers=2, n_heads=2, length=6, vocab_size=10,
+    ...                         separators={".": 5}, per_window=True)
+    >>> parts = stats.batch_parts(result)
+    >>> isinstance(parts, BatchParts), dict(parts.totals)["n_windows"]
+    (True, tensor(1))
+    """
 
     totals: list
     windows: list
@@ -141,6 +159,10 @@ class Statistic:
     ``shape``/``dtype``: of the corpus sum (letters L, H, T, V, S), with ``total`` the
     function giving a batch's part of it; ``window_shape``/``window``: each window's part
     (float64, shape ``[B, *window_shape]``). Either may be absent.
+
+    >>> entry = STATISTICS["n_high"]
+    >>> isinstance(entry, Statistic), entry.needs, entry.shape
+    (True, 'pairs', ('L', 'H'))
     """
 
     name: str
@@ -171,6 +193,9 @@ def batch_sum(name: str, shape: tuple, dtype: torch.dtype, needs: str = "batch")
 
     ``shape`` in the letters L (layers), H (heads), T (tokens), V (vocabulary), S
     (separators); the returned tensor (or :class:`ScatterAdd`) is added to the sum.
+
+    >>> "n_high" in STATISTICS and STATISTICS["n_high"].total is not None  # registered so
+    True
     """
     def register(fn):
         entry = _entry(name, needs)
@@ -182,7 +207,11 @@ def batch_sum(name: str, shape: tuple, dtype: torch.dtype, needs: str = "batch")
 
 def window_sum(name: str, shape: tuple = ("L", "H"), needs: str = "batch"):
     """Register ``fn(batch: PairBatch)`` as every window's part of the sum ``name``,
-    ``[B, *shape]`` float64 (kept with ``per_window=True``)."""
+    ``[B, *shape]`` float64 (kept with ``per_window=True``).
+
+    >>> STATISTICS["short_range"].window_shape  # registered with @window_sum("short_range")
+    ('L', 'H')
+    """
     def register(fn):
         entry = _entry(name, needs)
         entry.window_shape, entry.window = tuple(shape), fn
@@ -206,6 +235,18 @@ class PairBatch:
     property), on the device of the head outputs. The selected pairs are ``i``, ``j``
     ``[B, L, H, k_max]`` (:func:`top_pairs`); window ``b`` keeps its first ``k[b]``
     (:attr:`kept`), the rest are fillers ``i = j = 0``, in range for every gather.
+
+    >>> from companion.context_similarity.capture import BatchResult
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(1, 2, 2, 6, 4, generator=g, dtype=torch.float64)  # [B, L, H, T, d]
+    >>> attn = torch.softmax(torch.randn(1, 2, 2, 6, 6, generator=g, dtype=torch.float64), -1)
+    >>> ids, sent = torch.tensor([[1, 7, 8, 5, 7, 2]]), torch.tensor([[-1, 0, 0, 0, 1, -1]])
+    >>> result = BatchResult(z, attn, ids, sent, torch.ones(1, 6, dtype=torch.long))
+    >>> stats = SimilarityStats(n_layers=2, n_heads=2, length=6, vocab_size=10,
+    ...                         separators={".": 5}, per_window=True)
+    >>> batch = PairBatch(stats, result, [0, 1], None)
+    >>> batch.k.tolist(), tuple(batch.i.shape)  # 4 content tokens: 6 pairs, 1 high per head
+    ([1], (1, 2, 2, 1))
     """
 
     def __init__(self, stats: SimilarityStats, result: BatchResult, layers: list,
@@ -835,6 +876,26 @@ class SimilarityStats:
     different tokens, more than ``SHORT_RANGE`` apart and outside the high-attention
     region). The cost is a
     few reductions over the ``[B, L, H, k]`` selected pairs; nothing changes when it is off.
+
+    >>> from companion.context_similarity.capture import BatchResult
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(1, 2, 2, 6, 4, generator=g, dtype=torch.float64)  # [B, L, H, T, d]
+    >>> attn = torch.softmax(torch.randn(1, 2, 2, 6, 6, generator=g, dtype=torch.float64), -1)
+    >>> ids, sent = torch.tensor([[1, 7, 8, 5, 7, 2]]), torch.tensor([[-1, 0, 0, 0, 1, -1]])
+    >>> result = BatchResult(z, attn, ids, sent, torch.ones(1, 6, dtype=torch.long))
+    >>> stats = SimilarityStats(n_layers=2, n_heads=2, length=6, vocab_size=10,
+    ...                         separators={".": 5}, per_window=True)
+    >>> stats.update(result).n_high.tolist()
+    [[1, 1], [1, 1]]
+    >>> from companion.context_similarity.reference import stats_reference
+    >>> ref = stats_reference(result, stats.percentile, stats.attention_threshold, {".": 5}, 10)
+    >>> all(torch.allclose(ref[k].double(), getattr(stats, k).double()) for k in ref)
+    True
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract: pairs of tokens whose self-attention vector outputs
+    are most similar, by layer and head.
     """
 
     n_layers: int
