@@ -28,13 +28,8 @@ SCIENCE_PACKAGES = ("hasse", "context_similarity", "gradient_flow", "sbm", "lra"
 WITHOUT_EXAMPLE = {
     "lra.loaders.digits_standin": "imports scikit-learn: seconds",
     "hasse.masked_transformer.flex_vs_sdpa": "FlexAttention's first call takes seconds",
-    "context_similarity.corpus.checkpoint_key": "no example yet",
     "context_similarity.encoder.load_encoder": "loads the bundled MiniLM: seconds",
     "context_similarity.measures.paper_measurements": "no example yet",
-    "context_similarity.segmentation_eval.window_features": "no example yet",
-    "context_similarity.segmentation_eval.Condition": "no example yet",
-    "context_similarity.segmentation_eval.evaluate": "no example yet",
-    "context_similarity.topk.TopPairsTuning": "no example yet",
 }
 
 

@@ -370,7 +370,24 @@ def checkpoint_key(model, windows, params: dict) -> str:
     """The key of a resumable pass (see :func:`analyse_corpus` ``checkpoint``): a SHA-256
     of the model (class, configuration but for the folder it was loaded from and the
     transformers version that wrote it, dtype, every weight), the windows, the parameters
-    and the code."""
+    and the code.
+
+    >>> from transformers import AutoTokenizer, BertConfig, BertModel
+    >>> from companion.context_similarity.encoder import default_model_path
+    >>> from companion.corpora import Corpus, Document, windows
+    >>> tok = AutoTokenizer.from_pretrained(default_model_path())
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=tok.vocab_size, attn_implementation="eager")).eval()
+    >>> s = ["the cat sat on the mat .", "a dog ran far away .", "birds sing at dawn .",
+    ...      "we went home late ."]
+    >>> corpus = Corpus("toy", [Document(f"d{i}", s[i:] + s[:i]) for i in range(4)])
+    >>> w = windows(corpus, tok, length=16)  # one window of 14 content tokens per document
+    >>> from companion.context_similarity.capture import CaptureSettings
+    >>> key = checkpoint_key(model, w, {"settings": CaptureSettings(), "percentile": 1.0})
+    >>> len(key), key == checkpoint_key(model, w, {"settings": CaptureSettings(),
+    ...                                            "percentile": 2.0})
+    (64, False)
+    """
     h = hashlib.sha256(b"companion.context_similarity checkpoint 1")
     h.update(type(model).__name__.encode())
     # the configuration without where it was loaded from (the weights are hashed below)

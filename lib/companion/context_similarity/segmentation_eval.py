@@ -389,6 +389,20 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
     One forward pass per batch (:func:`companion.context_similarity.head_outputs` with
     ``return_hidden=True``: outputs, attention maps and final hidden states together),
     on the model's device; the features stay there.
+
+    >>> from transformers import AutoTokenizer, BertConfig, BertModel
+    >>> from companion.context_similarity.encoder import default_model_path
+    >>> from companion.corpora import windows
+    >>> tok = AutoTokenizer.from_pretrained(default_model_path())
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=tok.vocab_size, attn_implementation="eager")).eval()
+    >>> s = ["the cat sat on the mat .", "a dog ran far away .", "birds sing at dawn .",
+    ...      "we went home late ."]
+    >>> corpus = Corpus("toy", [Document(f"d{i}", s[i:] + s[:i]) for i in range(4)])
+    >>> w = windows(corpus, tok, length=16)  # one window of 14 content tokens per document
+    >>> feats = window_features(model, w)
+    >>> tuple(feats.heads.shape), tuple(feats.hidden.shape)  # [N, L, H, n, n], [N, n, D]
+    ((4, 2, 2, 14, 14), (4, 14, 8))
     """
     if not isinstance(windows, Windows):
         raise TypeError(
@@ -898,7 +912,23 @@ class Scores:
 
 @dataclass
 class Condition:
-    """One condition's run: its windows, fixed methods, test predictions and scores."""
+    """One condition's run: its windows, fixed methods, test predictions and scores.
+
+    >>> from transformers import AutoTokenizer, BertConfig, BertModel
+    >>> from companion.context_similarity.encoder import default_model_path
+    >>> from companion.corpora import windows
+    >>> tok = AutoTokenizer.from_pretrained(default_model_path())
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=tok.vocab_size, attn_implementation="eager")).eval()
+    >>> s = ["the cat sat on the mat .", "a dog ran far away .", "birds sing at dawn .",
+    ...      "we went home late ."]
+    >>> corpus = Corpus("toy", [Document(f"d{i}", s[i:] + s[:i]) for i in range(4)])
+    >>> w = windows(corpus, tok, length=16)  # one window of 14 content tokens per document
+    >>> c = evaluate(model, tok, w, corpus=corpus, final_layers=[1], penalties=[0.0, 1.0],
+    ...              widths=(2,), cutoffs=(0.0,))
+    >>> isinstance(c, Condition), len(c.dev) + len(c.test), len(c.methods)
+    (True, 4, 9)
+    """
 
     name: str
     dev: Windows
@@ -929,6 +959,28 @@ def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers
 
     Development windows are featurised and every method's parameters fixed
     (:func:`tune`) before the test windows are featurised and scored.
+
+    >>> from transformers import AutoTokenizer, BertConfig, BertModel
+    >>> from companion.context_similarity.encoder import default_model_path
+    >>> from companion.corpora import windows
+    >>> tok = AutoTokenizer.from_pretrained(default_model_path())
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=tok.vocab_size, attn_implementation="eager")).eval()
+    >>> s = ["the cat sat on the mat .", "a dog ran far away .", "birds sing at dawn .",
+    ...      "we went home late ."]
+    >>> corpus = Corpus("toy", [Document(f"d{i}", s[i:] + s[:i]) for i in range(4)])
+    >>> w = windows(corpus, tok, length=16)  # one window of 14 content tokens per document
+    >>> c = evaluate(model, tok, w, corpus=corpus, final_layers=[1], penalties=[0.0, 1.0],
+    ...              widths=(2,), cutoffs=(0.0,))
+    >>> sorted(c.predictions) == sorted(m.name for m in c.methods)
+    True
+    >>> set(c.dev.document_ids[:, 1].tolist()) & set(c.test.document_ids[:, 1].tolist())
+    set()
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract: final-layer attention on separators,
+    suggesting segmentation.
     """
     if not isinstance(corpus, Corpus):
         raise TypeError(f"corpus: expected a companion.corpora.Corpus, got {type(corpus).__name__}")
