@@ -29,7 +29,6 @@ WITHOUT_EXAMPLE = {
     "lra.loaders.digits_standin": "imports scikit-learn: seconds",
     "hasse.masked_transformer.flex_vs_sdpa": "FlexAttention's first call takes seconds",
     "context_similarity.encoder.load_encoder": "loads the bundled MiniLM: seconds",
-    "context_similarity.measures.paper_measurements": "no example yet",
 }
 
 

@@ -551,6 +551,25 @@ def paper_measurements(sums: WindowSums, groups: Mapping, separator_kinds,
     separators. The layer 11, head 8 claim is measured only for a model of 12 layers of
     12 heads. The chapter records these for its headline model and judges them for the
     model beside it, with the same functions and arguments.
+
+    >>> from companion.context_similarity import BatchResult, SimilarityStats
+    >>> g = torch.Generator().manual_seed(0)
+    >>> z = torch.randn(2, 2, 2, 6, 4, generator=g, dtype=torch.float64)  # [B, L, H, T, d]
+    >>> attn = torch.softmax(torch.randn(2, 2, 2, 6, 6, generator=g, dtype=torch.float64), -1)
+    >>> ids = torch.tensor([[1, 7, 8, 5, 7, 2]] * 2)
+    >>> sent = torch.tensor([[-1, 0, 0, 0, 1, -1]] * 2)
+    >>> result = BatchResult(z, attn, ids, sent, torch.ones(2, 6, dtype=torch.long))
+    >>> stats = SimilarityStats(n_layers=2, n_heads=2, length=6, vocab_size=10,
+    ...                         separators={".": 5, ",": 6}, per_window=True).update(result)
+    >>> groups = {"early": [0], "middle": [0], "final": [1]}
+    >>> m = paper_measurements(WindowSums(stats.window_sums(), reps=50), groups, [0, 1])
+    >>> len(m), m["context-similarity-same-sentence-fraction"].value  # no 12 x 12 head claim
+    (16, 0.75)
+
+    References
+    ----------
+    Halevi et al., arXiv 2512.21956, abstract (every number of the statements from the
+    secondary summary).
     """
     for g in ("early", "middle", "final"):
         if not groups.get(g):
