@@ -23,8 +23,9 @@ def test_docstring_examples(name):
 
 SCIENCE_PACKAGES = ("hasse", "context_similarity", "gradient_flow", "sbm", "lra")
 
-# Public names (relative to ``companion``) whose docstring has no ``>>>`` example yet, each with
-# its reason. Keep it short: an entry that gains an example must leave it (the test says so).
+# Public names (relative to ``companion``) whose docstring has no ``>>>`` example, each with its
+# reason: an example would take seconds (a one-time import or model load). Keep it short: an
+# entry that gains an example must leave it (the test says so).
 WITHOUT_EXAMPLE = {
     "lra.loaders.digits_standin": "imports scikit-learn: seconds",
     "hasse.masked_transformer.flex_vs_sdpa": "FlexAttention's first call takes seconds",
