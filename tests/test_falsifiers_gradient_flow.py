@@ -210,3 +210,12 @@ def test_intervals_cover_across_seeds():
                   for j in seeds if j != i]
         share = float(np.mean(inside))
         assert share >= 0.5, f"{name}: another seed inside the interval in {share:.0%}"
+
+
+def test_path_interval_with_two_paths_spans_the_replicates():
+    """Two paths: the expanded level rounds to 1; the interval is the replicates' widest,
+    here the two paths' values, instead of an error."""
+    from companion.gradient_flow.paper_measures import path_interval
+
+    lo, hi = path_interval(lambda a: a.mean(-1), np.array([1.0, 2.0]), n_boot=200, seed=0)
+    assert (lo, hi) == (1.0, 2.0)

@@ -62,6 +62,8 @@ def path_interval(statistic, *samples, n_boot: int = 2000, level: float = 0.95,
     if P >= 2:
         z = math.sqrt(P / (P - 1)) * stats.t.ppf((1 + level) / 2, P - 1)
         level = float(2 * stats.norm.cdf(z) - 1)
+        if level >= 1.0:  # two or three paths: the expanded level rounds to 1; the widest
+            level = 1 - 1 / max(int(n_boot), 2)  # interval the replicates give is honest
     return bootstrap_over_paths(statistic, *samples, n_boot=n_boot, level=level, seed=seed)
 
 
