@@ -538,9 +538,16 @@ def peak_memory(fn) -> float | None:
     ``VmHWM - RSS before`` is read after a second call. The threshold stays set: call
     this after the training of a chapter, not before.
 
-    >>> peak = peak_memory(lambda: np.ones(1 << 22))  # 32 MiB of float64
-    >>> peak is None or peak > 16 * 2 ** 20
-    True
+    In a fresh process (the high-water mark is the process's own: what ran before in the
+    same process, and the mmap threshold this sets, would change what it reads):
+
+    >>> import subprocess, sys
+    >>> code = ("import numpy as np; from companion.lra.experiments import peak_memory; "
+    ...         "p = peak_memory(lambda: np.ones(1 << 22)); "  # 32 MiB of float64
+    ...         "print(p is None or p > 16 * 2 ** 20)")
+    >>> subprocess.run([sys.executable, "-c", code], capture_output=True,
+    ...                text=True, check=True).stdout.strip()
+    'True'
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
