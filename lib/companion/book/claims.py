@@ -142,6 +142,30 @@ def judge_claim(measured: Any, paper: Any, tolerance: Any, kind: str,
     return "reproduced" if accept_lo <= m <= accept_hi else "differs"
 
 
+def rule_words(kind: str, value: Any, tolerance: Any = None) -> str:
+    """What a measured value must satisfy, in words: "at least 0.3", "between 0.2 and 0.4",
+    "within 0.05 of 1". One function for paper claims' thresholds and checks' rules.
+
+    >>> rule_words("at_most", 0.1), rule_words("abs", 1.0, 0.05), rule_words("rel", 2.0, 0.1)
+    ('at most 0.1', 'within 0.05 of 1', 'within 10 % of 2')
+    >>> rule_words("range", (0.2, 0.4)), rule_words("at_least", 0.3, 0.01)
+    ('between 0.2 and 0.4', 'at least 0.3 (with a slack of 0.01)')
+    """
+    d = describe_value
+    if kind == "holds":
+        return "the statement holds"
+    if kind == "range":
+        return f"between {d(float(value[0]))} and {d(float(value[1]))}"
+    slack = "" if not tolerance else f" (with a slack of {d(float(tolerance))})"
+    if kind == "at_most":
+        return f"at most {d(float(value))}{slack}"
+    if kind == "at_least":
+        return f"at least {d(float(value))}{slack}"
+    if kind == "abs":
+        return f"within {d(float(tolerance))} of {d(float(value))}"
+    return f"within {d(100 * float(tolerance))} % of {d(float(value))}"
+
+
 def describe_value(value: Any) -> str:
     """A claim's value as its box and the report print it: 4 significant digits, a bool
     as holds / does not hold, a pair as an interval.

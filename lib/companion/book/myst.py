@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from companion.book import site
-from companion.book.claims import describe_value
+from companion.book.claims import describe_value, rule_words
 
 #: The admonition class (its colour) of each verdict.
 ADMONITION_CLASS = {"reproduced": "tip", "differs": "warning", "inconclusive": "caution",
@@ -142,32 +142,15 @@ def table_directive(table_id: str, caption: str, table_markdown: str) -> str:
                      options={"name": table_id})
 
 
-_RULE_WORDS = {"at_most": "at most", "at_least": "at least", "range": "between",
-               "abs": "within", "rel": "within", "holds": "the statement holds"}
-
-
 def check_rule_words(record: dict[str, Any]) -> str:
-    """A check's acceptance rule in words: "at most 0.1", "between 0.2 and 0.4".
+    """A check's acceptance rule in words (:func:`companion.book.claims.rule_words`).
 
     >>> check_rule_words({"kind": "at_most", "paper": 0.1, "tolerance": None})
     'at most 0.1'
     >>> check_rule_words({"kind": "abs", "paper": 1.0, "tolerance": 0.05})
     'within 0.05 of 1'
     """
-    kind, paper, tol = record["kind"], record["paper"], record.get("tolerance")
-    d = describe_value
-    if kind == "holds":
-        return "the statement holds"
-    if kind == "range":
-        return f"between {d(float(paper[0]))} and {d(float(paper[1]))}"
-    slack = "" if not tol else f" (with a slack of {d(float(tol))})"
-    if kind == "at_most":
-        return f"at most {d(float(paper))}{slack}"
-    if kind == "at_least":
-        return f"at least {d(float(paper))}{slack}"
-    if kind == "abs":
-        return f"within {d(float(tol))} of {d(float(paper))}"
-    return f"within {d(100 * float(tol))} % of {d(float(paper))}"
+    return rule_words(record["kind"], record["paper"], record.get("tolerance"))
 
 
 def _measured_words(record: dict[str, Any]) -> str:

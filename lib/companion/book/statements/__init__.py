@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from companion.book.claims import CLAIM_KINDS, acceptance_region, judge_claim
+from companion.book.claims import CLAIM_KINDS, acceptance_region, judge_claim, rule_words
 
 # Where a statement is known from (papers/SOURCES.md): the paper's abstract, the authors'
 # code and README, or only a secondary summary of the paper.
@@ -75,21 +75,7 @@ class Threshold:
 
     def words(self) -> str:
         """The rule in words: "at least 0.3", "between 0.2 and 0.4", "within 0.1 of -1"."""
-        from companion.book.claims import describe_value as d
-
-        v, tol = self.value, self.tolerance
-        if self.kind == "holds":
-            return "the statement holds"
-        if self.kind == "range":
-            return f"between {d(float(v[0]))} and {d(float(v[1]))}"
-        slack = "" if not tol else f" (with a slack of {d(float(tol))})"
-        if self.kind == "at_most":
-            return f"at most {d(float(v))}{slack}"
-        if self.kind == "at_least":
-            return f"at least {d(float(v))}{slack}"
-        if self.kind == "abs":
-            return f"within {d(float(tol))} of {d(float(v))}"
-        return f"within {d(100 * float(tol))} % of {d(float(v))}"
+        return rule_words(self.kind, self.value, self.tolerance)
 
 
 @dataclass(frozen=True)
