@@ -912,22 +912,12 @@ class Scores:
 
 @dataclass
 class Condition:
-    """One condition's run: its windows, fixed methods, test predictions and scores.
+    """One condition's run: its windows, fixed methods, test predictions and scores, as
+    :func:`evaluate` returns it (whose example runs the protocol on a toy corpus).
 
-    >>> from transformers import AutoTokenizer, BertConfig, BertModel
-    >>> from companion.context_similarity.encoder import default_model_path
-    >>> from companion.corpora import windows
-    >>> tok = AutoTokenizer.from_pretrained(default_model_path())
-    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-    ...     intermediate_size=16, vocab_size=tok.vocab_size, attn_implementation="eager")).eval()
-    >>> s = ["the cat sat on the mat .", "a dog ran far away .", "birds sing at dawn .",
-    ...      "we went home late ."]
-    >>> corpus = Corpus("toy", [Document(f"d{i}", s[i:] + s[:i]) for i in range(4)])
-    >>> w = windows(corpus, tok, length=16)  # one window of 14 content tokens per document
-    >>> c = evaluate(model, tok, w, corpus=corpus, final_layers=[1], penalties=[0.0, 1.0],
-    ...              widths=(2,), cutoffs=(0.0,))
-    >>> isinstance(c, Condition), len(c.dev) + len(c.test), len(c.methods)
-    (True, 4, 9)
+    >>> from dataclasses import fields
+    >>> [f.name for f in fields(Condition)]
+    ['name', 'dev', 'test', 'methods', 'predictions', 'scores', 'test_features']
     """
 
     name: str
@@ -972,6 +962,8 @@ def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers
     >>> w = windows(corpus, tok, length=16)  # one window of 14 content tokens per document
     >>> c = evaluate(model, tok, w, corpus=corpus, final_layers=[1], penalties=[0.0, 1.0],
     ...              widths=(2,), cutoffs=(0.0,))
+    >>> isinstance(c, Condition), len(c.dev) + len(c.test), len(c.methods)
+    (True, 4, 9)
     >>> sorted(c.predictions) == sorted(m.name for m in c.methods)
     True
     >>> set(c.dev.document_ids[:, 1].tolist()) & set(c.test.document_ids[:, 1].tolist())
