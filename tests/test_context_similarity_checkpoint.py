@@ -220,3 +220,37 @@ def test_an_unreadable_checkpoint_is_started_over_and_bad_input(setup, tmp_path)
         analyse_corpus(model, wins, checkpoint=tmp_path, checkpoint_every=0, **opts)
     with pytest.raises(ValueError, match="into: not with checkpoint"):
         analyse_corpus(model, wins, checkpoint=tmp_path, into=(None, None), **opts)
+
+
+def test_a_pass_takes_the_cores_the_build_gives_it_between_saves_same_numbers(
+        setup, tmp_path, monkeypatch):
+    # the build rewrites a chapter's thread budget when another chapter ends
+    # (companion.thread_budget); the resumable pass adopts it before each chunk, so it
+    # runs the rest on more lanes, and its statistics stay those of a one-thread pass
+    from companion import thread_budget
+
+    model, wins, tracked, plain = setup
+    budget = tmp_path / "budget"
+    thread_budget.write_thread_budget(budget, 1)
+    monkeypatch.setenv(thread_budget.ENV_THREAD_BUDGET, str(budget))
+    seen = []
+    real = corpus.analyse_batch
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 2:  # another chapter ended: this one may now use 2 threads
+            thread_budget.write_thread_budget(budget, 2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corpus, "analyse_batch", counting)
+    before = torch.get_num_threads()
+    try:
+        got = analyse_corpus(model, wins, track_tokens=tracked, checkpoint=tmp_path / "ck",
+                             checkpoint_every=4, **OPTS)  # chunks of 2 batches
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    # chunk 1 on one thread; chunk 2 on two lanes of one intra-op thread each; the last
+    # chunk, a single batch, on one lane of two threads
+    assert seen == [1, 1, 1, 1, 2]
+    _assert_identical(got, plain)

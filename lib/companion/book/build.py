@@ -30,6 +30,7 @@ from companion.book.notebook_cells import write_placeholder
 from companion.book.parameters import (check_device_available, check_nproc, check_timeout,
                                        parse_scale_spec, prepare_chapter)
 from companion.book.project import ChapterError, Project, load_record
+from companion.thread_budget import ENV_THREAD_BUDGET, write_thread_budget
 
 
 def expected_seconds(project: Project, name: str, scale: str | None) -> float:
@@ -142,9 +143,10 @@ def run_many(project: Project, names: list[str], *,
     Chapters start longest first (:func:`longest_first`: the last run's time), each as
     soon as one of ``jobs`` slots is free, with the cores shared between the slots as
     torch threads; a ``[schedule]`` line says so, with the expected end
-    (:func:`schedule_seconds`). A run's threads are set when its kernel starts, so the
-    tail of the longest chapter, once the others have ended, runs on its share alone.
-    A chapter whose published run
+    (:func:`schedule_seconds`). Each child also gets a thread budget file
+    (:mod:`companion.thread_budget`), rewritten whenever a chapter starts or ends
+    (:func:`thread_shares`): once the others have ended, the longest chapter's long loops
+    (the context-similarity corpus pass) take every core. A chapter whose published run
     is current (:func:`cached_run`) is reported cached without a process. Each child's
     lines (its start with its log path, its progress every :func:`progress_seconds`, its
     result) are echoed as they come; its status is the result file it writes
@@ -197,8 +199,11 @@ def run_many(project: Project, names: list[str], *,
                 result_file = results_dir / f"{name}.json"
                 cmd = child_command(project, name, scales.get(name), device, threads,
                                      nproc, force, timeout, result_file)
+                budget = results_dir / f"{name}.threads"
+                write_thread_budget(budget, threads)
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env=child_env)
+                                        text=True, env={**child_env,
+                                                        ENV_THREAD_BUDGET: str(budget)})
                 lines: list[str] = []
                 reader = threading.Thread(target=relay_output, args=(proc, name, lines, live),
                                           name=f"relay-{name}", daemon=True)
@@ -213,6 +218,12 @@ def run_many(project: Project, names: list[str], *,
                 echo_live()
                 del running[name]
                 results.append(child_result(project, name, child, echo))
+                if running and not pending:  # the cores of the ended run go to the others
+                    shares = thread_shares(os.cpu_count() or 1, list(running))
+                    for other, share in shares.items():
+                        write_thread_budget(results_dir / f"{other}.threads", share)
+                    echo("[schedule] " + ", ".join(f"{other} now {share} torch thread(s)"
+                                                   for other, share in shares.items()))
     except KeyboardInterrupt:
         with signals_deferred():
             stop_children([child.proc for child in running.values()])
@@ -220,6 +231,22 @@ def run_many(project: Project, names: list[str], *,
     finally:
         shutil.rmtree(results_dir, ignore_errors=True)
     return sorted(results, key=lambda r: names.index(r.name))
+
+
+def thread_shares(cores: int, running: list[str]) -> dict[str, int]:
+    """The torch threads of each of the ``running`` chapters (in the order they started,
+    longest expected first) on ``cores`` cores: an equal share, at least 1, the remainder
+    going to the first started.
+
+    >>> thread_shares(2, ["context_similarity"])
+    {'context_similarity': 2}
+    >>> thread_shares(5, ["a", "b"])
+    {'a': 3, 'b': 2}
+    """
+    if not running:
+        return {}
+    share, extra = divmod(max(1, cores), len(running))
+    return {name: max(1, share + (1 if i < extra else 0)) for i, name in enumerate(running)}
 
 
 @dataclass

@@ -36,6 +36,7 @@ from companion.context_similarity.encoder import (
 from companion.context_similarity.stats import SimilarityStats
 from companion.context_similarity.workspace import Workspace
 from companion.devices import resolve_device
+from companion.thread_budget import adopt_thread_budget
 
 __all__ = ["analyse_corpus", "checkpoint_dir", "checkpoint_key", "clear_workspaces"]
 
@@ -514,6 +515,9 @@ def _checkpointed(model, windows, folder: Path, every: int, params: dict, progre
                        unit="window")
         inner = {k: v for k, v in params.items() if k != "checkpoint_every"}
         for start in range(done, n_batches, chunk):
+            # the book's build may give this chapter more cores once the others end; the
+            # sums are the same at any thread count, bit for bit (the lanes' contract)
+            adopt_thread_budget()
             end = min(start + chunk, n_batches)
             part = windows[start * batch_size:end * batch_size]
             before = ([{} for _ in params["where"]] if stats is None
