@@ -12,7 +12,7 @@ The hypervisor's steal (``/proc/stat``) over the run is reported beside it: a sh
 virtual machine's cores lose that share of their time, which slows wall and CPU alike
 and so hardly moves the ratio.
 
-    .venv/bin/python benchmarks/bench_test_suite.py [--repeats N] [-- pytest args]
+    .venv/bin/python benchmarks/bench_test_suite.py [--quick] [--repeats N] [-- pytest args]
 
 Extra pytest arguments after ``--`` replace the suite's paths (e.g. one test file, to try
 the benchmark itself). Writes benchmarks/results/test_suite.json and .md.
@@ -87,6 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of the suite (minutes each; the median is reported)")
+    parser.add_argument("--quick", action="store_true",
+                        help="accepted with the other benchmarks' (make bench "
+                             "BENCH_ARGS=--quick): the suite runs once either way")
     parser.add_argument("pytest_args", nargs="*",
                         help="after --: paths or options replacing the suite's paths")
     args = parser.parse_args()
