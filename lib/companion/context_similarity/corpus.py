@@ -36,6 +36,7 @@ from companion.context_similarity.encoder import (
 from companion.context_similarity.stats import SimilarityStats
 from companion.context_similarity.workspace import Workspace
 from companion.devices import resolve_device
+from companion.heap import return_freed_memory
 from companion.thread_budget import adopt_thread_budget
 
 __all__ = ["analyse_corpus", "checkpoint_dir", "checkpoint_key", "clear_workspaces"]
@@ -176,7 +177,9 @@ def analyse_corpus(
     maps are not kept, only ``A >= attention_threshold``, ``L H B T^2`` bytes), every
     lane's kept between calls on each device (:func:`clear_workspaces` frees them: a
     fresh lane's buffers would be page-faulted in again by every call); not for
-    concurrent calls from threads (the buffers are shared by all calls).
+    concurrent calls from threads (the buffers are shared by all calls). Sets glibc's
+    mmap threshold for the process (:func:`companion.heap.return_freed_memory`): without
+    it the heap grows with every batch of a long pass.
     """
     from companion.corpora import Windows
 
@@ -192,6 +195,10 @@ def analyse_corpus(
             raise ValueError("tokenizer: needed to find the separator tokens (or pass separators=)")
         separators = separator_ids(tokenizer)
     _check_model(model, windows.length)
+    # the pass keeps small per-window blocks while each forward frees large temporaries:
+    # with glibc's dynamic threshold the heap then grows with every batch (past 23 GiB at
+    # paper scale); a fixed threshold gives freed temporaries back (companion.heap)
+    return_freed_memory()
     import torch.distributed as dist
 
     from companion.parallel import requested_nproc, torchrun_call
