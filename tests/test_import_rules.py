@@ -4,7 +4,8 @@ A reader who takes the code of a chapter (``companion.hasse``,
 ``companion.context_similarity``, ``companion.gradient_flow``, ``companion.sbm``,
 ``companion.lra``) takes it without papermill, Sphinx or the runner: those packages may
 import each other, torch, numpy and the shared modules at the top of ``companion``
-(argument checks, devices, timing, scale-out, corpora, model checkpoints), but never
+(argument checks, devices, timing, scale-out, corpora, model checkpoints, the heap's
+settings, the build's thread budget), but never
 ``companion.book``.
 Checked on the source (every ``import``, at module level or inside a function), so a lazy
 import counts too.
@@ -22,7 +23,8 @@ LIB = Path(__file__).resolve().parents[1] / "lib" / "companion"
 SCIENCE_PACKAGES = ("hasse", "context_similarity", "gradient_flow", "sbm", "lra")
 
 #: The shared modules every package may use (they import no book module either).
-SHARED = ("_validate", "devices", "timing", "parallel", "corpora", "models")
+SHARED = ("_validate", "devices", "timing", "parallel", "corpora", "models", "heap",
+          "thread_budget")
 
 SCIENCE = sorted(
     [str(p.relative_to(LIB).with_suffix("")).replace("/", ".")
