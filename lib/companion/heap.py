@@ -23,13 +23,38 @@ from companion._validate import check_int
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
-#: glibc's largest mmap threshold, ``4 MiB * sizeof(long)`` (mallopt(3)).
-MMAP_THRESHOLD_MAX = 32 << 20
+#: glibc's largest mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MAX``: ``4 MiB * sizeof(long)``
+#: (32 MiB on 64-bit), the upper limit mallopt(3) documents.
+MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 #: The threshold :func:`return_freed_memory` sets by default: above the per-window blocks
 #: a pass keeps (tens of KiB) and below the forward pass's temporaries (MiB).
 DEFAULT_MMAP_THRESHOLD = 256 << 10
 
 _set_to: int | None = None
+
+
+def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
+    """Set glibc's mmap and trim thresholds (mallopt(3)) for this process, in bytes.
+
+    Both are checked before either is set: ``mmap_threshold`` in
+    ``[0, MMAP_THRESHOLD_MAX]``, ``trim_threshold`` at least 0. Returns True when glibc
+    took both, False where ``mallopt`` is not available (another C library: nothing is
+    changed) or refused one. Process-wide and permanent.
+
+    >>> set_malloc_thresholds(-1, 0)
+    Traceback (most recent call last):
+    ValueError: mmap_threshold: expected an int in [0, 33554432], got -1
+    """
+    mmap_threshold = check_int("mmap_threshold", mmap_threshold, minimum=0,
+                               maximum=MMAP_THRESHOLD_MAX)
+    trim_threshold = check_int("trim_threshold", trim_threshold, minimum=0)
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+    ok &= mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    return bool(ok)
 
 
 def return_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
@@ -54,17 +79,9 @@ def return_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     True
     """
     global _set_to
-    mmap_threshold = check_int("mmap_threshold", mmap_threshold, minimum=0,
-                               maximum=MMAP_THRESHOLD_MAX)
     if _set_to == mmap_threshold:
         return True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
-              and mallopt(_M_TRIM_THRESHOLD, mmap_threshold))
+    ok = set_malloc_thresholds(mmap_threshold, mmap_threshold)
     if ok:
         _set_to = mmap_threshold
     return ok

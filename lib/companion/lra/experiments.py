@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from companion._validate import check_bool, check_int
+from companion.heap import set_malloc_thresholds
 from companion.lra.model import LRAClassifier
 from companion.lra.train import TrainConfig, TrainResult, train
 
@@ -149,14 +150,6 @@ def _train_one(job: TrainJob, splits, device, progress: bool):
 _DATA: dict = {}
 
 
-# glibc ``mallopt`` parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-# glibc's DEFAULT_MMAP_THRESHOLD_MAX: 4 MiB * sizeof(long), the documented upper limit
-_MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
-
-
 def keep_freed_memory(*, mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
     """Let glibc's heap in this process reuse freed buffers instead of mapping fresh pages.
 
@@ -183,16 +176,7 @@ def keep_freed_memory(*, mmap_threshold: int = 32 << 20, trim_threshold: int = 2
     Traceback (most recent call last):
     ValueError: mmap_threshold: expected an int in [0, 33554432], got 33554433
     """
-    mmap_threshold = check_int("mmap_threshold", mmap_threshold, minimum=0,
-                               maximum=_MMAP_THRESHOLD_MAX)
-    trim_threshold = check_int("trim_threshold", trim_threshold, minimum=0)
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
-    ok &= libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
-    return bool(ok)
+    return set_malloc_thresholds(mmap_threshold, trim_threshold)
 
 
 def _init_worker(data):
