@@ -651,6 +651,71 @@ def test_window_features_take_one_forward_pass(toy_brown, tok, tiny_model):
         se.window_features(tiny_model, w[:0], batch_size=2)
 
 
+@pytest.mark.parametrize("strip", [False, True])
+def test_evaluate_in_chunks_equals_all_at_once(toy_brown, tok, tiny_model, strip):
+    # chunks of 1 and 2 windows (development maps spilled to disk, test maps streamed)
+    # give the methods, predictions and scores of one pass over all windows, bit for bit
+    from companion.corpora import windows as cut
+
+    w = cut(toy_brown, tok, 24)
+    kw = dict(corpus=toy_brown, per_document=2, final_layers=[2], penalties=[1.0, 4.0],
+              seed=1, batch_size=2, widths=(4,), cutoffs=(0.0,), strip_punctuation=strip,
+              head_fractions=(0.5, 1.0))
+    whole = se.evaluate(tiny_model, tok, w, max_feature_bytes=None, **kw)
+    per_window = se.feature_bytes_per_window(tiny_model, w.length)
+    assert per_window == 4 * (2 * 3 * 2 * 22 * 22 + 22 * 16)
+    assert len(whole.dev) > 2 and len(whole.test) > 2  # so that both splits are chunked
+    for windows_per_chunk in (1, 2):
+        part = se.evaluate(tiny_model, tok, w, max_feature_bytes=windows_per_chunk * per_window,
+                           **kw)
+        assert [(m.name, m.params) for m in part.methods] == \
+               [(m.name, m.params) for m in whole.methods]
+        assert list(part.predictions) == list(whole.predictions)
+        for name, pred in whole.predictions.items():
+            assert torch.equal(part.predictions[name], pred), name
+        assert part.scores.summary(n_boot=50).equals(whole.scores.summary(n_boot=50))
+    with pytest.raises(ValueError, match="max_feature_bytes"):
+        se.evaluate(tiny_model, tok, w, max_feature_bytes=0, **kw)
+
+
+def test_tune_and_predict_read_chunks_as_one(tmp_path):
+    # the planted features cut into uneven chunks: tune on SpilledFeatures and
+    # predict_all on a generator of chunks equal the one-piece calls
+    feats, gold = planted_features()
+    test_feats, _ = planted_features(seed=1)
+    kw = dict(final_layers=[1, 2], penalties=[1.0, 4.0, 16.0], widths=(4,), cutoffs=(0.0,))
+
+    def cut(f, sizes):
+        out, start = [], 0
+        for k in sizes:
+            out.append(se.Features(f.heads[start:start + k], f.attention[start:start + k],
+                                   f.hidden[start:start + k]))
+            start += k
+        assert start == f.heads.shape[0]
+        return out
+
+    n_dev, n_test = feats.heads.shape[0], test_feats.heads.shape[0]
+    whole = se.tune(feats, gold, **kw)
+    spilled = se.SpilledFeatures(cut(feats, [1, n_dev - 3, 2]), tmp_path)
+    assert len(spilled) == n_dev and len(list(tmp_path.iterdir())) == 6  # maps of 3 chunks
+    chunked = se.tune(spilled, gold, **kw)
+    assert [(m.name, m.params) for m in chunked] == [(m.name, m.params) for m in whole]
+    one = se.predict_all(whole, test_feats, torch.Generator().manual_seed(0))
+    parts = se.predict_all(whole, iter(cut(test_feats, [3, n_test - 3])),
+                           torch.Generator().manual_seed(0))
+    assert list(one) == list(parts) and all(torch.equal(one[k], parts[k]) for k in one)
+    with pytest.raises(ValueError, match="gold: expected one row per window"):
+        se.tune(spilled, gold[:-1], **kw)
+    with pytest.raises(TypeError, match="feats: expected Features or SpilledFeatures"):
+        se.tune(cut(feats, [n_dev]), gold, **kw)
+    with pytest.raises(ValueError, match="feats: no windows"):
+        se.predict_all(whole, iter([]))
+    with pytest.raises(ValueError, match="directory"):
+        se.SpilledFeatures([], tmp_path / "missing")
+    with pytest.raises(ValueError, match="chunks: no windows"):
+        se.SpilledFeatures([], tmp_path)
+
+
 def test_evaluate_reads_the_given_windows_split_by_document(toy_brown, tok, tiny_model):
     from companion.corpora import windows as cut
 

@@ -13,7 +13,11 @@ The protocol the context-similarity chapter runs (:func:`evaluate`):
    (:func:`document_windows`), so that a boundary cannot be read off a '.'.
 3. **Features** (:func:`window_features`): per window, from one forward pass, the
    standardised per-head similarity matrices of the head outputs and the symmetrised
-   attention maps of the content tokens, and the model's final hidden states.
+   attention maps of the content tokens, and the model's final hidden states. Beyond
+   ``max_feature_bytes`` they come in chunks (:func:`feature_chunks`): the development
+   chunks are kept on disk between the two passes of :func:`tune`
+   (:class:`SpilledFeatures`), the test chunks are predicted one at a time; the results
+   are those of one piece, bit for bit.
 4. **Free parameters fixed on the development split** (:func:`tune`): for every method
    the parameters that maximise the development F1 (±1 token); head subsets are ranked
    by a development statistic (:func:`head_contrast`). The test windows are featurised
@@ -31,6 +35,7 @@ import contextlib
 import functools
 import queue
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,10 +48,13 @@ from companion.corpora import Corpus, Document, Windows, windows as cut_windows
 __all__ = [
     "Condition",
     "Scores",
+    "SpilledFeatures",
     "boundary_matches",
     "document_windows",
     "evaluate",
     "f1_score",
+    "feature_bytes_per_window",
+    "feature_chunks",
     "first_windows_per_document",
     "gold_boundaries",
     "head_contrast",
@@ -437,6 +445,110 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
     return out
 
 
+# The largest maps evaluate() holds at once (two [L, H, n, n] float32 maps a window): more
+# windows are featurised in chunks of this size (development windows kept on disk between
+# the two passes of tune, test windows streamed). 1 GiB is about 55 windows of a 12-layer,
+# 12-head model at 128 tokens; a chunk of that size keeps the forward passes' batches full.
+MAX_FEATURE_BYTES = 1 << 30
+
+
+def feature_bytes_per_window(model, length: int) -> int:
+    """Bytes of one window's :class:`Features` for ``model`` and windows of ``length``
+    tokens (content tokens: ``length - 2``): two float32 maps [L, H, n, n] and the
+    final hidden states [n, D].
+
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, attn_implementation="eager")).eval()
+    >>> feature_bytes_per_window(model, 16) == 4 * (2 * 2 * 2 * 14 * 14 + 14 * 8)
+    True
+    """
+    from companion import context_similarity as cs
+
+    n = length - 2
+    n_layers = len(cs.encoder_layers(model))
+    n_heads = int(model.config.num_attention_heads)
+    return 4 * (2 * n_layers * n_heads * n * n + n * int(model.config.hidden_size))
+
+
+def feature_chunks(model, windows: Windows, batch_size: int = 16, chunk_windows: int = 64):
+    """:func:`window_features` of ``windows`` in consecutive chunks of at most
+    ``chunk_windows``, one at a time (a generator): each chunk's numbers are those of
+    the same windows in one :func:`window_features` call.
+
+    >>> from transformers import AutoTokenizer, BertConfig, BertModel
+    >>> from companion.context_similarity.encoder import default_model_path
+    >>> from companion.corpora import windows
+    >>> tok = AutoTokenizer.from_pretrained(default_model_path())
+    >>> model = BertModel(BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+    ...     intermediate_size=16, vocab_size=tok.vocab_size, attn_implementation="eager")).eval()
+    >>> s = ["the cat sat on the mat .", "a dog ran far away .", "birds sing at dawn ."]
+    >>> corpus = Corpus("toy", [Document(f"d{i}", s[i:] + s[:i]) for i in range(3)])
+    >>> [f.heads.shape[0] for f in feature_chunks(model, windows(corpus, tok, length=16),
+    ...                                           chunk_windows=2)]
+    [2, 1]
+    """
+    chunk_windows = check_int("chunk_windows", chunk_windows, minimum=1)
+    if not isinstance(windows, Windows):
+        raise TypeError(
+            f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    for start in range(0, len(windows), chunk_windows):
+        yield window_features(model, windows[start:start + chunk_windows], batch_size)
+
+
+class SpilledFeatures:
+    """The :class:`Features` of many windows, kept in a folder on disk chunk by chunk
+    (the final hidden states, small, stay in memory); iterating reads the chunks back in
+    window order, one at a time, with the same numbers. For :func:`tune`, which reads the
+    development windows' maps twice.
+
+    ``chunks``: an iterable of :class:`Features` (e.g. :func:`feature_chunks`), read once
+    here; ``directory``: an existing folder, e.g. a :class:`tempfile.TemporaryDirectory`'s,
+    which the caller removes.
+
+    >>> import tempfile
+    >>> g = torch.Generator().manual_seed(0)
+    >>> parts = [Features(*(torch.randn(k, 2, 2, 5, 5, generator=g) for _ in "ha"),
+    ...                   torch.randn(k, 5, 3, generator=g)) for k in (2, 1)]
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     spilled = SpilledFeatures(parts, folder)
+    ...     back = list(spilled)
+    >>> len(spilled), all(torch.equal(a.heads, b.heads) for a, b in zip(parts, back))
+    (3, True)
+    """
+
+    def __init__(self, chunks, directory):
+        from pathlib import Path
+
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ValueError(f"directory: expected an existing folder, got {directory!r}")
+        self._files, self._hidden, self.device = [], [], None
+        for i, part in enumerate(chunks):
+            if not isinstance(part, Features):
+                raise TypeError(f"chunks: expected Features, got {type(part).__name__}")
+            # plain .npy files: written and read at disk speed, no archive to build
+            paths = tuple(self.directory / f"features-{i:05d}-{name}.npy"
+                          for name in ("heads", "attention"))
+            for path, maps in zip(paths, (part.heads, part.attention)):
+                np.save(path, maps.cpu().numpy())
+            self._files.append(paths)
+            self._hidden.append(part.hidden)
+            self.device = part.heads.device
+        if not self._files:
+            raise ValueError("chunks: no windows")
+
+    def __len__(self) -> int:
+        return sum(h.shape[0] for h in self._hidden)
+
+    def __iter__(self):
+        for paths, hidden in zip(self._files, self._hidden):
+            heads, attention = (torch.from_numpy(np.load(path)).to(self.device)
+                                for path in paths)
+            yield Features(heads, attention, hidden)
+            del heads, attention
+
+
 def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -> torch.Tensor:
     """Per layer and head: mean standardised similarity of same-sentence pairs minus that
     of different-sentence pairs, both at distance ``1..max_distance`` (so that locality
@@ -452,6 +564,13 @@ def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -
     True
     """
     max_distance = check_int("max_distance", max_distance, minimum=1)
+    return _contrast_of(*_contrast_sums(z, gold, max_distance), tuple(z.shape[1:3]))
+
+
+def _contrast_sums(z: torch.Tensor, gold: torch.Tensor, max_distance: int):
+    """:func:`head_contrast`'s parts for a set of windows, which add over windows:
+    (per-window weighted sums [N, L*H, 2] in z's dtype, number of same-sentence and of
+    different-sentence pairs)."""
     n = gold.shape[-1]
     sent = gold.long().cumsum(-1)  # [N, n] sentence number within the window
     same = sent[:, :, None] == sent[:, None, :]
@@ -461,13 +580,17 @@ def head_contrast(z: torch.Tensor, gold: torch.Tensor, max_distance: int = 16) -
     w_same = (same & near).to(torch.float32)
     w_diff = (~same & near).to(torch.float32)
     # both weighted sums in one pass over z, window by window (one batched product,
-    # [N, L*H, n*n] @ [N, n*n, 2]: no permuted copy of z), then summed over the windows
+    # [N, L*H, n*n] @ [N, n*n, 2]: no permuted copy of z)
     w = torch.stack([w_same, w_diff], -1).to(z.dtype).reshape(z.shape[0], n * n, 2)
     per_window = torch.bmm(z.reshape(z.shape[0], -1, n * n), w)  # [N, L*H, 2]
-    sums = per_window.double().sum(0).reshape(*z.shape[1:3], 2)
-    s_same = sums[..., 0] / float(w_same.sum().clamp(min=1))
-    s_diff = sums[..., 1] / float(w_diff.sum().clamp(min=1))
-    return s_same - s_diff
+    # counts of 0/1 weights: whole numbers, exact in float32 below 2**24 pairs
+    return per_window, float(w_same.sum()), float(w_diff.sum())
+
+
+def _contrast_of(per_window: torch.Tensor, n_same: float, n_diff: float, shape) -> torch.Tensor:
+    """[L, H] float64 contrast from :func:`_contrast_sums` (of all windows, concatenated)."""
+    sums = per_window.double().sum(0).reshape(*shape, 2)
+    return sums[..., 0] / max(n_same, 1.0) - sums[..., 1] / max(n_diff, 1.0)
 
 
 # --------------------------------------------------------------------------- tuning
@@ -512,11 +635,16 @@ def _dp_chunks(items: list, n_windows: int, budget: int = 1024):
         yield items[i:i + size]
 
 
-def predict_all(methods: list, feats: Features, generator: torch.Generator | None = None
-                ) -> dict:
+def predict_all(methods: list, feats, generator: torch.Generator | None = None) -> dict:
     """``{name: [N, n] bool}`` for every method; the dynamic-programming methods run
     stacked (one batched call per chunk, with every distinct penalty), which gives the
     same boundaries as :meth:`Method.predict` one by one (checked in the tests).
+
+    ``feats``: the :class:`Features` of the windows, or their chunks in window order (any
+    iterable of :class:`Features`, e.g. :func:`feature_chunks`, read once): each window's
+    boundaries depend on its own maps only, so chunks give the same predictions while
+    holding one chunk's maps at a time. The random baselines draw for all windows at once
+    after the last chunk, as for one :class:`Features`.
 
     >>> from companion.context_similarity import segmentation as sg
     >>> g = torch.Generator().manual_seed(0)
@@ -530,42 +658,62 @@ def predict_all(methods: list, feats: Features, generator: torch.Generator | Non
     >>> torch.equal(predictions["head outputs, tuned"], gold)
     True
     """
-    with _loop_threads() as workers:
-        return _predict_all(methods, feats, generator,
-                            workers if feats.heads.device.type == "cpu" else 1)
+    return _predict_all(methods, feats, generator)
 
 
-def _predict_all(methods, feats, generator, workers=1):
-    out = {}
+def _predict_all(methods, feats, generator):
     dp = [m for m in methods if m.family in DP_FAMILIES]
-    tasks = []
-    if dp:
-        pens = sorted({m.params["penalty"] for m in dp})
-        pen = torch.tensor(pens, dtype=torch.float64)
+    pens = sorted({m.params["penalty"] for m in dp})
+    pen = torch.tensor(pens, dtype=torch.float64)
 
-        def run(chunk):
-            # combine() checked every matrix: they go to the programme unchecked, each
-            # copied into the chunk's step-major matrices as it is formed
-            n_windows, n = feats.hidden.shape[:2]
-            xt = None  # [n, n, C N]
-            for c, m in enumerate(chunk):
-                matrix = m.matrix(feats)
-                if xt is None:
-                    xt = matrix.new_empty((n, n, len(chunk) * n_windows))
-                sg._step_major(matrix, out=xt[:, :, c * n_windows:(c + 1) * n_windows])
-                del matrix
-            pred = sg._segmentation_of_step_major(xt, pen, (len(chunk), n_windows)).cpu()
-            return {m.name: pred[c, :, pens.index(m.params["penalty"])]
-                    for c, m in enumerate(chunk)}
+    def run(chunk_feats, chunk):
+        # combine() checked every matrix: they go to the programme unchecked, each
+        # copied into the chunk's step-major matrices as it is formed
+        n_windows, n = chunk_feats.hidden.shape[:2]
+        xt = None  # [n, n, C N]
+        for c, m in enumerate(chunk):
+            matrix = m.matrix(chunk_feats)
+            if xt is None:
+                xt = matrix.new_empty((n, n, len(chunk) * n_windows))
+            sg._step_major(matrix, out=xt[:, :, c * n_windows:(c + 1) * n_windows])
+            del matrix
+        pred = sg._segmentation_of_step_major(xt, pen, (len(chunk), n_windows)).cpu()
+        return {m.name: pred[c, :, pens.index(m.params["penalty"])]
+                for c, m in enumerate(chunk)}
 
-        tasks += [functools.partial(run, chunk) for chunk in _dp_chunks(dp, feats.heads.shape[0])]
-    tasks += [functools.partial(lambda m: {m.name: m.predict(feats)}, m)
-              for m in methods if m.family == "TextTiling"]
-    for part in _run_tasks(tasks, workers):
-        out.update(part)
+    found: dict = {m.name: [] for m in dp}
+    hidden, last = [], None
+    if isinstance(feats, SpilledFeatures):
+        feats = iter(feats)
+    for part in [feats] if isinstance(feats, Features) else feats:
+        if not isinstance(part, Features):
+            raise TypeError(f"feats: expected Features or an iterable of Features, got an "
+                            f"iterable of {type(part).__name__}")
+        if dp:  # the loop threads only here: the next chunk's forward pass gets them all
+            with _loop_threads() as workers:
+                tasks = [functools.partial(run, part, chunk)
+                         for chunk in _dp_chunks(dp, part.heads.shape[0])]
+                for done in _run_tasks(tasks, workers if part.heads.device.type == "cpu"
+                                       else 1):
+                    for name, pred in done.items():
+                        found[name].append(pred)
+        hidden.append(part.hidden)
+        last = part
+    if last is None:
+        raise ValueError("feats: no windows")
+    # the baselines that read only the final hidden states (and the windows' shape) run
+    # on all windows at once
+    whole = last if len(hidden) == 1 else Features(None, None, torch.cat(hidden))
+    out = {name: preds[0] if len(preds) == 1 else torch.cat(preds)
+           for name, preds in found.items()}
+    tasks = [functools.partial(lambda m: {m.name: m.predict(whole)}, m)
+             for m in methods if m.family == "TextTiling"]
+    with _loop_threads() as workers:
+        for part in _run_tasks(tasks, workers if whole.hidden.device.type == "cpu" else 1):
+            out.update(part)
     for m in methods:  # the random baselines draw from the generator in method order
         if m.family not in DP_FAMILIES and m.family != "TextTiling":
-            out[m.name] = m.predict(feats, generator)
+            out[m.name] = m.predict(whole, generator)
     return {m.name: out[m.name] for m in methods}
 
 
@@ -612,10 +760,15 @@ def _layer_sets(n_layers: int, final: list[int]) -> list[tuple[int, ...]]:
     return sets
 
 
-def tune(feats: Features, gold: torch.Tensor, *, final_layers, penalties,
+def tune(feats, gold: torch.Tensor, *, final_layers, penalties,
          head_fractions=(0.25, 1.0), widths=(4, 8, 16), cutoffs=(-1.0, -0.5, 0.0, 0.5, 1.0)
          ) -> list[Method]:
     """Fix every method's free parameters on development windows (max F1 ±1).
+
+    ``feats``: the windows' :class:`Features`, or :class:`SpilledFeatures` (the same maps
+    kept on disk and read back chunk by chunk, twice: the same methods, holding one
+    chunk's maps and the per-layer head sums at a time). ``gold`` [N, n]: their gold
+    boundaries.
 
     - head outputs / attention: for each layer alone (all heads; rows "layer l"), and over
       the best of all layer sets (each layer, ``final_layers``, all layers), head subsets
@@ -640,9 +793,24 @@ def tune(feats: Features, gold: torch.Tensor, *, final_layers, penalties,
     >>> methods[0].name, methods[0].params["dev_f1"]  # F1 ±1 on these windows
     ('head outputs, tuned', 1.0)
     """
+    _, device = _chunks_of(feats)
     with _loop_threads() as workers:
         return _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
-                     workers if feats.heads.device.type == "cpu" else 1)
+                     workers if device.type == "cpu" else 1)
+
+
+FAMILIES = (("head outputs", "heads"), ("attention", "attention"))  # family, Features field
+
+
+def _chunks_of(feats) -> tuple[list, torch.device]:
+    """``feats`` as a re-iterable of :class:`Features` chunks in window order (one
+    :class:`Features` is a single chunk; :class:`SpilledFeatures` reads its chunks back from
+    disk), and the device of their maps."""
+    if isinstance(feats, Features):
+        return [feats], feats.heads.device
+    if isinstance(feats, SpilledFeatures):
+        return feats, feats.device
+    raise TypeError(f"feats: expected Features or SpilledFeatures, got {type(feats).__name__}")
 
 
 def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs, workers=1):
@@ -651,16 +819,60 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
         raise ValueError(f"penalties: expected a non-empty sequence, got {penalties!r}")
     if not bool(torch.isfinite(pen).all()):
         raise ValueError(f"penalties: expected finite values, got {penalties!r}")
+    chunks, _ = _chunks_of(feats)
     gold = gold.cpu()
-    families = (("head outputs", feats.heads), ("attention", feats.attention))
     widths = [w for w in widths if w < gold.shape[-1]]
-    # first each family's head ranking and head sums (and TextTiling's prefix sums),
-    # then every chunk of candidates of both families and every TextTiling width: all
-    # independent, side by side; their results are read back in order
-    first = [functools.partial(_family_candidates, src, gold, list(final_layers),
-                               head_fractions) for _, src in families]
-    first.append(functools.partial(sg._texttiling_prefix, feats.hidden))
-    *candidates, prefix = _run_tasks(first, workers)
+    # Two passes over the windows' maps, so that they can come chunk by chunk (read back
+    # from disk, SpilledFeatures): each family's head ranking (head_contrast, whose parts
+    # add over windows), then the per-layer sums of the heads it keeps. Within a chunk the
+    # two families run side by side.
+    parts = {family: [] for family, _ in FAMILIES}
+    counts = {family: [0.0, 0.0] for family, _ in FAMILIES}
+    hidden, shape = [], None
+    start = 0
+    for chunk in chunks:
+        rows = slice(start, start + chunk.hidden.shape[0])
+        start = rows.stop
+        if rows.stop > gold.shape[0]:
+            raise ValueError(f"gold: expected one row per window (at least {rows.stop}), "
+                             f"got {gold.shape[0]}")
+        g = gold[rows].to(chunk.heads.device)
+        shape = tuple(chunk.heads.shape[1:3])
+        done = _run_tasks([functools.partial(_contrast_sums, getattr(chunk, field), g, 16)
+                           for _, field in FAMILIES], workers)
+        for (family, _), (per_window, n_same, n_diff) in zip(FAMILIES, done):
+            parts[family].append(per_window)
+            counts[family][0] += n_same
+            counts[family][1] += n_diff
+        hidden.append(chunk.hidden)
+    if start != gold.shape[0]:
+        raise ValueError(f"gold: expected one row per window ({start}), got {gold.shape[0]}")
+    n_layers, n_heads = shape
+    tops = {family: _top_heads(_contrast_of(torch.cat(parts[family]), *counts[family], shape),
+                               head_fractions)
+            for family, _ in FAMILIES}
+    sums = {family: {} for family, _ in FAMILIES}  # family -> fraction -> layer -> [N, n, n]
+    start = 0
+    for chunk in chunks:
+        rows = slice(start, start + chunk.hidden.shape[0])
+        start = rows.stop
+        done = _run_tasks([functools.partial(_layer_head_sums, getattr(chunk, field),
+                                             tops[family]) for family, field in FAMILIES],
+                          workers)
+        for (family, _), chunk_sums in zip(FAMILIES, done):
+            for frac, by_layer in chunk_sums.items():
+                into = sums[family].setdefault(frac, {})
+                for ly, s in by_layer.items():
+                    if rows.start == 0 and rows.stop == gold.shape[0]:  # one chunk: as is
+                        into[ly] = s
+                        continue
+                    if ly not in into:
+                        into[ly] = s.new_empty((gold.shape[0], *s.shape[1:]))
+                    into[ly][rows] = s
+    candidates = [_family_candidates(sums[family], tops[family], n_layers, n_heads,
+                                     list(final_layers), head_fractions)
+                  for family, _ in FAMILIES]
+    prefix = sg._texttiling_prefix(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
     chunks = [list(_dp_chunks(c, 2 * gold.shape[0])) for c in candidates]  # pairs
     buffers = queue.SimpleQueue()  # one set of work tensors per worker, reused
     for _ in range(max(1, min(int(workers), sum(map(len, chunks))))):
@@ -670,9 +882,9 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
     tasks += [functools.partial(_score_texttiling, prefix, gold, w, cutoffs) for w in widths]
     results = iter(_run_tasks(tasks, workers))
     methods: list[Method] = []
-    for (family, src), family_chunks in zip(families, chunks):
+    for (family, _), family_chunks in zip(FAMILIES, chunks):
         scored = [s for _ in family_chunks for s in next(results)]
-        methods += _family_methods(family, scored, src.shape[1])
+        methods += _family_methods(family, scored, n_layers)
     best_tt = None
     for w in widths:
         for c, f1 in zip(cutoffs, next(results)):
@@ -685,26 +897,44 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
     return methods
 
 
-def _family_candidates(src, gold, final_layers, head_fractions) -> list:
-    """Every candidate of one family (see :func:`tune`), in the order ties are broken:
-    pairs ``[(params, recipe) without, with detrending]`` of one head fraction and
-    layer set, the recipe saying how :func:`_score_chunk` forms its matrices from head
-    sums computed here once per layer (the same sums :func:`combine` forms)."""
-    n_layers, n_heads = src.shape[1], src.shape[2]
-    contrast = head_contrast(src, gold.to(src.device))
+def _top_heads(contrast: torch.Tensor, head_fractions) -> dict:
+    """``{fraction: {layer: sorted heads}}``: each layer's top ``fraction`` of heads by
+    ``contrast`` [L, H] (ties: the lower head first, as argsort keeps them)."""
+    n_layers, n_heads = contrast.shape
     order = contrast.argsort(dim=-1, descending=True).cpu()
-    pairs = []
+    tops = {}
     for frac in head_fractions:
         k = max(1, int(round(frac * n_heads)))
-        top = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
-        sums = {ly: sg._head_sum(src, ly, top[ly]) for ly in range(n_layers)}
-        for ly in range(n_layers):  # every candidate is made from these: checked once
-            sg._check_square("feats", sums[ly])
+        tops[frac] = {ly: sorted(order[ly, :k].tolist()) for ly in range(n_layers)}
+    return tops
+
+
+def _layer_head_sums(src: torch.Tensor, tops: dict) -> dict:
+    """``{fraction: {layer: [N, n, n]}}``: the sums over each layer's kept heads of a
+    chunk's maps (the sums :func:`companion.context_similarity.segmentation.combine`
+    forms), checked once here since every candidate is made from them."""
+    out = {}
+    for frac, top in tops.items():
+        out[frac] = {ly: sg._head_sum(src, ly, heads) for ly, heads in top.items()}
+        for s in out[frac].values():
+            sg._check_square("feats", s)
+    return out
+
+
+def _family_candidates(sums, tops, n_layers, n_heads, final_layers, head_fractions) -> list:
+    """Every candidate of one family (see :func:`tune`), in the order ties are broken:
+    pairs ``[(params, recipe) without, with detrending]`` of one head fraction and
+    layer set, the recipe saying how :func:`_score_chunk` forms its matrices from the
+    per-layer head sums (:func:`_layer_head_sums`)."""
+    pairs = []
+    for frac in head_fractions:
+        top = tops[frac]
+        k = len(top[0])
         for layers in _layer_sets(n_layers, final_layers):
             pairs.append([(dict(layers=list(layers), heads={ly: top[ly] for ly in layers},
                                 detrend=detrend, head_fraction=frac,
                                 all_heads=(k == n_heads)),
-                           (sums, layers, k * len(layers), detrend))
+                           (sums[frac], layers, k * len(layers), detrend))
                           for detrend in (False, True)])
     return pairs
 
@@ -932,7 +1162,7 @@ class Condition:
 def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers, penalties,
              per_document: int | None = None, seed: int = 0, batch_size: int = 16,
              strip_punctuation: bool = False, name: str = "", keep_test_features: bool = False,
-             **tune_kwargs) -> Condition:
+             max_feature_bytes: int | None = MAX_FEATURE_BYTES, **tune_kwargs) -> Condition:
     """The whole protocol for one condition (see the module docstring).
 
     Parameters
@@ -946,6 +1176,12 @@ def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers
     strip_punctuation : bool
         Condition (b): the same documents with sentence punctuation removed, cut again
         from their start into as many windows as ``windows`` holds of each.
+    max_feature_bytes : int or None
+        The largest features held in memory at once (:func:`feature_bytes_per_window`).
+        A split whose features are larger is featurised in chunks of that size: the
+        development chunks are kept in a temporary folder on disk between the two passes
+        of :func:`tune` (:class:`SpilledFeatures`), the test chunks are predicted one by
+        one (:func:`predict_all`), with the same results. None: all at once.
 
     Development windows are featurised and every method's parameters fixed
     (:func:`tune`) before the test windows are featurised and scored.
@@ -1001,13 +1237,27 @@ def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers
     text = strip_sentence_punctuation(corpus) if strip_punctuation else corpus
     dev, test = split(dev_docs), split(test_docs)
     gold_dev = gold_boundaries(dev.sentence_ids)
-    feats = window_features(model, dev, batch_size)
-    methods = tune(feats, gold_dev, final_layers=final_layers, penalties=penalties, **tune_kwargs)
-    del feats
+    chunk = len(dev) + len(test)  # all at once
+    if max_feature_bytes is not None:
+        max_feature_bytes = check_int("max_feature_bytes", max_feature_bytes, minimum=1)
+        chunk = max(1, max_feature_bytes // feature_bytes_per_window(model, windows.length))
+    if len(dev) <= chunk:
+        methods = tune(window_features(model, dev, batch_size), gold_dev,
+                       final_layers=final_layers, penalties=penalties, **tune_kwargs)
+    else:
+        with tempfile.TemporaryDirectory(prefix="companion-segmentation-") as folder:
+            feats = SpilledFeatures(feature_chunks(model, dev, batch_size, chunk), folder)
+            methods = tune(feats, gold_dev, final_layers=final_layers, penalties=penalties,
+                           **tune_kwargs)
+            del feats
     k = pk_window(gold_dev)
-    feats = window_features(model, test, batch_size)
     gen = torch.Generator().manual_seed(seed)
-    preds = predict_all(methods, feats, gen)
+    if keep_test_features or len(test) <= chunk:
+        feats = window_features(model, test, batch_size)
+        preds = predict_all(methods, feats, gen)
+    else:
+        feats = None
+        preds = predict_all(methods, feature_chunks(model, test, batch_size, chunk), gen)
     gold = gold_boundaries(test.sentence_ids)
     scores = Scores.compute(gold, preds, test.document_ids[:, 1].tolist(), k)
     return Condition(name, dev, test, methods, preds, scores,
