@@ -583,14 +583,14 @@ def _contrast_sums(z: torch.Tensor, gold: torch.Tensor, max_distance: int):
     # [N, L*H, n*n] @ [N, n*n, 2]: no permuted copy of z)
     w = torch.stack([w_same, w_diff], -1).to(z.dtype).reshape(z.shape[0], n * n, 2)
     per_window = torch.bmm(z.reshape(z.shape[0], -1, n * n), w)  # [N, L*H, 2]
-    # counts of 0/1 weights: whole numbers, exact in float32 below 2**24 pairs
-    return per_window, float(w_same.sum()), float(w_diff.sum())
+    # the pair counts as integers: exact for any number of windows, and they add over chunks
+    return per_window, int((same & near).sum()), int((~same & near).sum())
 
 
-def _contrast_of(per_window: torch.Tensor, n_same: float, n_diff: float, shape) -> torch.Tensor:
+def _contrast_of(per_window: torch.Tensor, n_same: int, n_diff: int, shape) -> torch.Tensor:
     """[L, H] float64 contrast from :func:`_contrast_sums` (of all windows, concatenated)."""
     sums = per_window.double().sum(0).reshape(*shape, 2)
-    return sums[..., 0] / max(n_same, 1.0) - sums[..., 1] / max(n_diff, 1.0)
+    return sums[..., 0] / float(max(n_same, 1)) - sums[..., 1] / float(max(n_diff, 1))
 
 
 # --------------------------------------------------------------------------- tuning
@@ -827,7 +827,7 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
     # add over windows), then the per-layer sums of the heads it keeps. Within a chunk the
     # two families run side by side.
     parts = {family: [] for family, _ in FAMILIES}
-    counts = {family: [0.0, 0.0] for family, _ in FAMILIES}
+    counts = {family: [0, 0] for family, _ in FAMILIES}
     hidden, shape = [], None
     start = 0
     for chunk in chunks:
