@@ -682,9 +682,7 @@ def _predict_all(methods, feats, generator):
                 for c, m in enumerate(chunk)}
 
     found: dict = {m.name: [] for m in dp}
-    hidden, last = [], None
-    if isinstance(feats, SpilledFeatures):
-        feats = iter(feats)
+    hidden = []
     for part in [feats] if isinstance(feats, Features) else feats:
         if not isinstance(part, Features):
             raise TypeError(f"feats: expected Features or an iterable of Features, got an "
@@ -698,12 +696,12 @@ def _predict_all(methods, feats, generator):
                     for name, pred in done.items():
                         found[name].append(pred)
         hidden.append(part.hidden)
-        last = part
-    if last is None:
+        del part  # released before the next chunk is formed
+    if not hidden:
         raise ValueError("feats: no windows")
     # the baselines that read only the final hidden states (and the windows' shape) run
     # on all windows at once
-    whole = last if len(hidden) == 1 else Features(None, None, torch.cat(hidden))
+    whole = Features(None, None, hidden[0] if len(hidden) == 1 else torch.cat(hidden))
     out = {name: preds[0] if len(preds) == 1 else torch.cat(preds)
            for name, preds in found.items()}
     tasks = [functools.partial(lambda m: {m.name: m.predict(whole)}, m)
@@ -813,6 +811,15 @@ def _chunks_of(feats) -> tuple[list, torch.device]:
     raise TypeError(f"feats: expected Features or SpilledFeatures, got {type(feats).__name__}")
 
 
+def _with_rows(chunks):
+    """``(rows, chunk)`` for each chunk: the slice of the windows it holds."""
+    start = 0
+    for chunk in chunks:
+        rows = slice(start, start + chunk.hidden.shape[0])
+        start = rows.stop
+        yield rows, chunk
+
+
 def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs, workers=1):
     pen = torch.as_tensor(list(penalties), dtype=torch.float64)
     if pen.dim() != 1 or pen.numel() == 0:
@@ -828,11 +835,9 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
     # two families run side by side.
     parts = {family: [] for family, _ in FAMILIES}
     counts = {family: [0, 0] for family, _ in FAMILIES}
-    hidden, shape = [], None
-    start = 0
-    for chunk in chunks:
-        rows = slice(start, start + chunk.hidden.shape[0])
-        start = rows.stop
+    hidden, shape, n_windows = [], None, 0
+    for rows, chunk in _with_rows(chunks):
+        n_windows = rows.stop
         if rows.stop > gold.shape[0]:
             raise ValueError(f"gold: expected one row per window (at least {rows.stop}), "
                              f"got {gold.shape[0]}")
@@ -845,29 +850,30 @@ def _tune(feats, gold, final_layers, penalties, head_fractions, widths, cutoffs,
             counts[family][0] += n_same
             counts[family][1] += n_diff
         hidden.append(chunk.hidden)
-    if start != gold.shape[0]:
-        raise ValueError(f"gold: expected one row per window ({start}), got {gold.shape[0]}")
+        del chunk  # released before the next chunk is read
+    if n_windows != gold.shape[0]:
+        raise ValueError(f"gold: expected one row per window ({n_windows}), "
+                         f"got {gold.shape[0]}")
     n_layers, n_heads = shape
     tops = {family: _top_heads(_contrast_of(torch.cat(parts[family]), *counts[family], shape),
                                head_fractions)
             for family, _ in FAMILIES}
     sums = {family: {} for family, _ in FAMILIES}  # family -> fraction -> layer -> [N, n, n]
-    start = 0
-    for chunk in chunks:
-        rows = slice(start, start + chunk.hidden.shape[0])
-        start = rows.stop
+    for rows, chunk in _with_rows(chunks):
+        whole = rows.start == 0 and rows.stop == n_windows  # one chunk: its sums as they are
         done = _run_tasks([functools.partial(_layer_head_sums, getattr(chunk, field),
                                              tops[family]) for family, field in FAMILIES],
                           workers)
+        del chunk  # released before the next chunk is read
         for (family, _), chunk_sums in zip(FAMILIES, done):
             for frac, by_layer in chunk_sums.items():
                 into = sums[family].setdefault(frac, {})
                 for ly, s in by_layer.items():
-                    if rows.start == 0 and rows.stop == gold.shape[0]:  # one chunk: as is
+                    if whole:
                         into[ly] = s
                         continue
                     if ly not in into:
-                        into[ly] = s.new_empty((gold.shape[0], *s.shape[1:]))
+                        into[ly] = s.new_empty((n_windows, *s.shape[1:]))
                     into[ly][rows] = s
     candidates = [_family_candidates(sums[family], tops[family], n_layers, n_heads,
                                      list(final_layers), head_fractions)
