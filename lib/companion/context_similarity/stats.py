@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from companion._validate import check_int
+from companion.heap import MappedArena
 from companion.context_similarity.capture import BatchResult
 from companion.context_similarity.topk import similarity_matrices, top_pairs
 from companion.context_similarity.workspace import Workspace
@@ -928,6 +929,9 @@ class SimilarityStats:
         self.device = torch.device(self.device)
         self._workspace = Workspace()  # buffers reused between batches (not statistics)
         self._windows: dict[str, list[torch.Tensor]] = {}  # per-window parts, by batch
+        # where the parts are kept on the CPU: outside malloc's heap, so that a pass's
+        # temporaries reuse the heap's pages without leaving holes (companion.heap)
+        self._kept = MappedArena()
         self._tracked: torch.Tensor | None = None
         self._sums: dict[str, tuple] = {}  # name: (shape letters, dtype), allocated
         self._registry: tuple = ()
@@ -1052,6 +1056,7 @@ class SimilarityStats:
             if len(parts) > 1:
                 self._windows[name] = parts = [torch.cat(parts)]
             out[name] = parts[0]
+        self._kept = MappedArena()  # the concatenated parts: the old blocks can go
         return out
 
     def window_bootstrap(self, reps: int = 1000, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -1256,7 +1261,7 @@ class SimilarityStats:
                 # same numbers as adding its float64 copy, without that copy
                 total += value
         for name, value in parts.windows:
-            self._windows.setdefault(name, []).append(value.to(self.device))
+            self._windows.setdefault(name, []).append(self._kept.keep(value.to(self.device)))
         return self
 
     def _computed(self, stat: Statistic, batch: PairBatch) -> bool:
