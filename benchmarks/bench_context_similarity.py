@@ -13,7 +13,9 @@ of the same forward passes on this machine's threads (default 2):
 - ``bare_eager_lanes``, ``bare_eager_threads``: the same with ``transformers``' eager
   attention (the computation whose maps the analysis keeps);
 
-and the analysis:
+(each inside :func:`companion.heap.reusing_freed_memory`, the allocator setting the
+analysis runs under, so that neither pays page faults the other does not) and the
+analysis:
 
 - ``full``: :func:`companion.context_similarity.analyse_corpus` with its defaults
   (pre-W_O; lanes; the forward stops after the last layer's attention, whose W_O,
@@ -84,6 +86,7 @@ from companion.context_similarity import (
 )
 from companion.context_similarity.corpus import _in_lanes
 from companion.corpora import load_corpus, windows
+from companion.heap import reusing_freed_memory
 from bench_context_similarity_corpus import same
 from flop_counts import matrix_product_flops
 from results_io import write_results
@@ -91,6 +94,7 @@ from results_io import write_results
 TARGET = 1.05  # issue 16, target 3: full analysis <= 1.05 x the fastest bare forward
 
 
+@reusing_freed_memory()  # as analyse_corpus runs: the same allocator setting
 def bare_forward(model, wins, batch_size):
     with torch.inference_mode():
         for start in range(0, len(wins), batch_size):
@@ -285,6 +289,7 @@ MPNET_MEMORY_GIB = 8.0  # issue 35: peak memory at paper scale
 PAPER_WINDOWS = 20_000
 
 
+@reusing_freed_memory()  # as analyse_corpus runs: the same allocator setting
 def bare_forward_maps(model, wins, batch_size, lanes=1):
     """The bare eager forward with attention maps (``output_attentions=True``), batch
     by batch on all threads (``lanes=1``) or in lanes of one intra-op thread."""
@@ -429,6 +434,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@reusing_freed_memory()  # as analyse_corpus runs: the same allocator setting
 def bare_forward_lanes(model, wins, batch_size, lanes=2):
     """The bare forward in ``lanes`` lanes of one intra-op thread each: the arrangement of
     the analysis's lanes (:func:`companion.context_similarity.corpus._in_lanes`, batch
