@@ -1,4 +1,4 @@
-"""Freed memory goes back to the operating system during long passes (glibc's malloc).
+"""Where a long pass's memory comes from (glibc's malloc): a flat heap, few page faults.
 
 A corpus pass keeps small per-window results for the whole pass while every forward pass
 allocates and frees large temporaries. glibc serves an allocation above its *mmap
@@ -53,10 +53,10 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     """Set glibc's mmap and trim thresholds (mallopt(3)) for this process, in bytes.
 
     Both are checked before either is set: ``mmap_threshold`` in
-    ``[0, MMAP_THRESHOLD_MAX]``, ``trim_threshold`` in ``[0, INT_MAX]`` (mallopt takes a C
-    ``int``). Returns True when glibc
-    took both, False where ``mallopt`` is not available (another C library: nothing is
-    changed) or refused one. Process-wide and permanent.
+    ``[0, MMAP_THRESHOLD_MAX]``, ``trim_threshold`` in ``[0, INT_MAX]`` (mallopt takes a
+    C ``int``). Returns True when glibc took both, False where ``mallopt`` is not
+    available (another C library: nothing is changed) or refused one. Process-wide and
+    permanent.
 
     >>> set_malloc_thresholds(-1, 0)
     Traceback (most recent call last):
