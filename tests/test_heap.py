@@ -18,13 +18,17 @@ import torch
 
 from companion import heap
 
-PATTERN = textwrap.dedent("""
+# what both subprocess scripts start with
+PRELUDE = textwrap.dedent("""
     import sys
     import torch
-    from companion.heap import return_freed_memory
 
     def resident():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
+""")
+
+PATTERN = PRELUDE + textwrap.dedent("""
+    from companion.heap import return_freed_memory
 
     if sys.argv[1] == "fixed":
         assert return_freed_memory()
@@ -62,15 +66,10 @@ def test_bad_threshold_is_refused():
             heap.return_freed_memory(bad)
 
 
-REUSE = textwrap.dedent("""
+REUSE = PRELUDE + textwrap.dedent("""
     import contextlib
     import resource
-    import sys
-    import torch
     from companion.heap import MappedArena, return_freed_memory, reusing_freed_memory
-
-    def resident():
-        return int(open("/proc/self/statm").read().split()[1]) * 4096
 
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -43,7 +43,6 @@ DEFAULT_MMAP_THRESHOLD = 256 << 10
 #: mallopt(3) takes its value as a C ``int``: the largest trim threshold it can be given.
 INT_MAX = 2**31 - 1
 
-_set_to: int | None = None  # return_freed_memory's threshold, while it is the setting
 _current: tuple[int, int] | None = None  # the thresholds last set here (None: glibc's own)
 _reusing = 0  # depth of reusing_freed_memory blocks
 _reusing_lock = threading.Lock()
@@ -62,7 +61,7 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     Traceback (most recent call last):
     ValueError: mmap_threshold: expected an int in [0, 33554432], got -1
     """
-    global _set_to, _current
+    global _current
     mmap_threshold = check_int("mmap_threshold", mmap_threshold, minimum=0,
                                maximum=MMAP_THRESHOLD_MAX)
     # a larger value would reach mallopt cut to its low 32 bits (1 << 40 becomes 0)
@@ -73,7 +72,7 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
     ok &= libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     if ok:
-        _current, _set_to = (mmap_threshold, trim_threshold), None
+        _current = (mmap_threshold, trim_threshold)
     return bool(ok)
 
 
@@ -107,13 +106,9 @@ def return_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     >>> return_freed_memory() in (True, False)
     True
     """
-    global _set_to
-    if _set_to == mmap_threshold:
+    if _current == (mmap_threshold, mmap_threshold):
         return True
-    ok = set_malloc_thresholds(mmap_threshold, mmap_threshold)
-    if ok:
-        _set_to = mmap_threshold
-    return ok
+    return set_malloc_thresholds(mmap_threshold, mmap_threshold)
 
 
 @contextlib.contextmanager

@@ -22,10 +22,10 @@ from typing import NamedTuple
 import torch
 
 from companion._validate import check_int
-from companion.heap import MappedArena
 from companion.context_similarity.capture import BatchResult
 from companion.context_similarity.topk import similarity_matrices, top_pairs
 from companion.context_similarity.workspace import Workspace
+from companion.heap import MappedArena
 
 __all__ = [
     "LONG_RANGE",
