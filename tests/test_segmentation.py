@@ -716,6 +716,49 @@ def test_tune_and_predict_read_chunks_as_one(tmp_path):
         se.SpilledFeatures([], tmp_path)
 
 
+def test_feature_chunks_reused_give_each_chunk_its_own_numbers(toy_brown, tok, tiny_model):
+    # chunks of 2, 2 and 1 windows written into one pair of buffers: each chunk, read
+    # before the next is asked for, equals its fresh counterpart bit for bit; the maps of
+    # every chunk share one buffer (the last, shorter chunk its first rows), the hidden
+    # states stay each chunk's own
+    from companion.corpora import windows as cut
+
+    w = cut(toy_brown, tok, 24)[:5]
+    fresh = list(se.feature_chunks(tiny_model, w, batch_size=2, chunk_windows=2))
+    assert [f.heads.shape[0] for f in fresh] == [2, 2, 1]
+    assert len({f.heads.data_ptr() for f in fresh}) == 3  # fresh: one buffer each
+    starts, hidden = set(), []
+    for i, chunk in enumerate(se.feature_chunks(tiny_model, w, batch_size=2, chunk_windows=2,
+                                                reuse=True)):
+        for field in ("heads", "attention", "hidden"):
+            assert torch.equal(getattr(chunk, field), getattr(fresh[i], field)), (i, field)
+        assert chunk.heads.is_contiguous() and chunk.attention.is_contiguous()
+        starts.add((chunk.heads.data_ptr(), chunk.attention.data_ptr()))
+        hidden.append(chunk.hidden)
+    assert len(starts) == 1
+    assert all(torch.equal(h, f.hidden) for h, f in zip(hidden, fresh))
+    with pytest.raises(ValueError, match="batch_size"):
+        next(se.feature_chunks(tiny_model, w, batch_size=0, reuse=True))
+
+
+def test_spilled_features_read_back_as_written_and_writable(tmp_path):
+    # the chunks come back mapped from their files, copy-on-write: equal to what was
+    # written, writable, and a write reaches neither the file nor the next reading
+    feats, _ = planted_features()
+    parts = [se.Features(feats.heads[:3], feats.attention[:3], feats.hidden[:3]),
+             se.Features(feats.heads[3:], feats.attention[3:], feats.hidden[3:])]
+    spilled = se.SpilledFeatures(parts, tmp_path)
+    for chunk, part in zip(spilled, parts):
+        assert torch.equal(chunk.heads, part.heads) and torch.equal(chunk.attention,
+                                                                    part.attention)
+        assert chunk.heads.dtype == part.heads.dtype
+        chunk.heads.fill_(7.0)
+        chunk.attention.zero_()
+    for chunk, part in zip(spilled, parts):
+        assert torch.equal(chunk.heads, part.heads) and torch.equal(chunk.attention,
+                                                                    part.attention)
+
+
 def test_evaluate_reads_the_given_windows_split_by_document(toy_brown, tok, tiny_model):
     from companion.corpora import windows as cut
 

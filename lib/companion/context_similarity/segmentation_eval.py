@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import queue
 import re
 import tempfile
@@ -418,19 +419,40 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
     batch_size = check_int("batch_size", batch_size, minimum=1)
     if len(windows) == 0:
         raise ValueError("windows: expected at least one window, got none")
+    return _window_features(model, windows, batch_size)
+
+
+def _window_features(model, windows: Windows, batch_size: int,
+                     kept: dict | None = None) -> Features:
+    """:func:`window_features` on checked arguments. With ``kept`` (a dict kept between
+    calls) the two maps are views of buffers kept there, reused by the next call (so
+    valid until then): a fresh gigabyte would cost a page fault per 4 KiB and the
+    kernel's zeroing of every page. The hidden states are always fresh tensors."""
     # Filled batch by batch into tensors allocated once: collecting the batches and
     # concatenating them would hold every feature twice (at paper scale, 2,000 windows of
     # [6, 12, 126, 126] float32 similarity and attention maps: about 9 GB each time).
     # A float32 model's matrices are standardised straight into their rows (the same
     # numbers as sg.standardise, without whole-batch temporaries); other dtypes are
     # standardised in their own precision first, then stored as float32.
+    def maps(name, x):
+        shape = (len(windows), *x.shape[1:])
+        if kept is None:
+            return torch.empty(shape, dtype=torch.float32, device=x.device)
+        size = math.prod(shape)
+        buffer = kept.get(name)
+        if buffer is None or buffer.numel() < size or buffer.device != x.device:
+            kept.pop(name, None)  # the old buffer goes before the new one is made
+            buffer = kept[name] = torch.empty(size, dtype=torch.float32, device=x.device)
+        return buffer[:size].view(shape)
+
     out: Features | None = None
     buffers: dict = {}  # the similarity matrices' buffer, kept between batches
     for start in range(0, len(windows), batch_size):
         sims, att, hidden = _forward(model, windows[start:start + batch_size], buffers)
         if out is None:
-            out = Features(*(torch.empty((len(windows), *x.shape[1:]), dtype=torch.float32,
-                                         device=x.device) for x in (sims, att, hidden)))
+            out = Features(maps("heads", sims), maps("attention", att),
+                           torch.empty((len(windows), *hidden.shape[1:]),
+                                       dtype=torch.float32, device=hidden.device))
         rows = slice(start, start + sims.shape[0])
         heads, attention = out.heads[rows], out.attention[rows]
         if sims.dtype == torch.float32:
@@ -471,10 +493,17 @@ def feature_bytes_per_window(model, length: int) -> int:
     return 4 * (2 * n_layers * n_heads * n * n + n * int(model.config.hidden_size))
 
 
-def feature_chunks(model, windows: Windows, batch_size: int = 16, chunk_windows: int = 64):
+def feature_chunks(model, windows: Windows, batch_size: int = 16, chunk_windows: int = 64,
+                   *, reuse: bool = False):
     """:func:`window_features` of ``windows`` in consecutive chunks of at most
     ``chunk_windows``, one at a time (a generator): each chunk's numbers are those of
     the same windows in one :func:`window_features` call.
+
+    ``reuse=True``: every chunk's two maps are written into the same buffers, so a
+    chunk's ``heads`` and ``attention`` are valid only until the next chunk is asked for
+    (its ``hidden`` stays valid). For a consumer that is done with a chunk before it
+    takes the next, as :class:`SpilledFeatures` and :func:`predict_all` are: a fresh
+    gigabyte per chunk would cost a page fault per 4 KiB and the zeroing of every page.
 
     >>> from transformers import AutoTokenizer, BertConfig, BertModel
     >>> from companion.context_similarity.encoder import default_model_path
@@ -492,8 +521,10 @@ def feature_chunks(model, windows: Windows, batch_size: int = 16, chunk_windows:
     if not isinstance(windows, Windows):
         raise TypeError(
             f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    kept = {} if reuse else None
     for start in range(0, len(windows), chunk_windows):
-        yield window_features(model, windows[start:start + chunk_windows], batch_size)
+        yield _window_features(model, windows[start:start + chunk_windows], batch_size, kept)
 
 
 class SpilledFeatures:
@@ -543,7 +574,9 @@ class SpilledFeatures:
 
     def __iter__(self):
         for paths, hidden in zip(self._files, self._hidden):
-            heads, attention = (torch.from_numpy(np.load(path)).to(self.device)
+            # mapped copy-on-write, not read: the pages come straight from the page cache
+            # (the file was just written), with no fresh memory to zero and no copy
+            heads, attention = (torch.from_numpy(np.load(path, mmap_mode="c")).to(self.device)
                                 for path in paths)
             yield Features(heads, attention, hidden)
             del heads, attention
@@ -1252,7 +1285,8 @@ def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers
                        final_layers=final_layers, penalties=penalties, **tune_kwargs)
     else:
         with tempfile.TemporaryDirectory(prefix="companion-segmentation-") as folder:
-            feats = SpilledFeatures(feature_chunks(model, dev, batch_size, chunk), folder)
+            feats = SpilledFeatures(feature_chunks(model, dev, batch_size, chunk, reuse=True),
+                                    folder)
             methods = tune(feats, gold_dev, final_layers=final_layers, penalties=penalties,
                            **tune_kwargs)
             del feats
@@ -1263,7 +1297,8 @@ def evaluate(model, tokenizer, windows: Windows, *, corpus: Corpus, final_layers
         preds = predict_all(methods, feats, gen)
     else:
         feats = None
-        preds = predict_all(methods, feature_chunks(model, test, batch_size, chunk), gen)
+        preds = predict_all(methods, feature_chunks(model, test, batch_size, chunk,
+                                                    reuse=True), gen)
     gold = gold_boundaries(test.sentence_ids)
     scores = Scores.compute(gold, preds, test.document_ids[:, 1].tolist(), k)
     return Condition(name, dev, test, methods, preds, scores,
