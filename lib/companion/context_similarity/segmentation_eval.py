@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from companion.context_similarity import segmentation as sg
+from companion.context_similarity.workspace import Workspace, work_buffer
 from companion._validate import check_int
 from companion.corpora import Corpus, Document, Windows, windows as cut_windows
 
@@ -423,9 +424,9 @@ def window_features(model, windows: Windows, batch_size: int = 16) -> Features:
 
 
 def _window_features(model, windows: Windows, batch_size: int,
-                     kept: dict | None = None) -> Features:
-    """:func:`window_features` on checked arguments. With ``kept`` (a dict kept between
-    calls) the two maps are views of buffers kept there, reused by the next call (so
+                     kept: Workspace | None = None) -> Features:
+    """:func:`window_features` on checked arguments. With ``kept`` (a workspace kept
+    between calls) the two maps are views of its buffers, reused by the next call (so
     valid until then): a fresh gigabyte would cost a page fault per 4 KiB and the
     kernel's zeroing of every page. The hidden states are always fresh tensors."""
     # Filled batch by batch into tensors allocated once: collecting the batches and
@@ -436,14 +437,7 @@ def _window_features(model, windows: Windows, batch_size: int,
     # standardised in their own precision first, then stored as float32.
     def maps(name, x):
         shape = (len(windows), *x.shape[1:])
-        if kept is None:
-            return torch.empty(shape, dtype=torch.float32, device=x.device)
-        size = math.prod(shape)
-        buffer = kept.get(name)
-        if buffer is None or buffer.numel() < size or buffer.device != x.device:
-            kept.pop(name, None)  # the old buffer goes before the new one is made
-            buffer = kept[name] = torch.empty(size, dtype=torch.float32, device=x.device)
-        return buffer[:size].view(shape)
+        return work_buffer(kept, name, math.prod(shape), torch.float32, x.device).view(shape)
 
     out: Features | None = None
     buffers: dict = {}  # the similarity matrices' buffer, kept between batches
@@ -522,7 +516,7 @@ def feature_chunks(model, windows: Windows, batch_size: int = 16, chunk_windows:
         raise TypeError(
             f"windows: expected companion.corpora.Windows, got {type(windows).__name__}")
     batch_size = check_int("batch_size", batch_size, minimum=1)
-    kept = {} if reuse else None
+    kept = Workspace() if reuse else None
     for start in range(0, len(windows), chunk_windows):
         yield _window_features(model, windows[start:start + chunk_windows], batch_size, kept)
 
