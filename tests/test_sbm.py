@@ -591,12 +591,52 @@ def test_transposed_csr_is_the_stable_column_order(index_dtype):
         assert torch.equal(row_t, row[want].to(index_dtype))
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_sddmm_in_place_equals_the_copying_product_and_the_gathered_dots(index_dtype, dtype):
+    """EdgeGraph.sddmm (the product written into its pattern's values, ``out=``) gives
+    the numbers of the copying ``sampled_addmm`` it replaced, bit for bit, and the dots of
+    the gathered rows in float64 to rounding: graphs with empty rows, repeated pairs, one
+    edge and none, odd sizes, int32 and int64 indices; a fresh tensor each call."""
+    import warnings
+
+    from companion.sbm.graph_attention import EdgeGraph
+
+    g = torch.Generator().manual_seed(31)
+    for groups, n, m, d, num_edges in ((3, 7, 5, 3, 61), (2, 40, 33, 17, 9), (1, 1, 1, 1, 1),
+                                       (2, 3, 4, 5, 0)):
+        group = torch.randint(0, groups, (num_edges,), generator=g)
+        query = torch.randint(0, n, (num_edges,), generator=g)
+        key = torch.randint(0, m, (num_edges,), generator=g)
+        key[: num_edges // 3] = 0  # repeated pairs
+        graph = EdgeGraph(group, query, key, groups, n, m)
+        graph.index_dtype = index_dtype
+        graph.col, graph.crow = graph.col.to(index_dtype), graph.crow.to(index_dtype)
+        x = torch.randn(groups * n, d, generator=g, dtype=dtype)
+        y = torch.randn(groups * m, d, generator=g, dtype=dtype)
+        got = graph.sddmm(x, y, alpha=0.37)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            pattern = torch.sparse_csr_tensor(graph.crow, graph.col,
+                                              torch.zeros(num_edges, dtype=dtype),
+                                              size=(groups * n, groups * m))
+        copying = torch.sparse.sampled_addmm(pattern, x, y.t(), beta=0.0, alpha=0.37)
+        assert got.dtype == dtype and got.shape == (num_edges,)
+        assert torch.equal(got, copying.values())
+        order = graph.order if graph.order is not None else torch.arange(num_edges)
+        row, col = (group * n + query)[order], (group * m + key)[order]
+        dots = 0.37 * (x.double()[row] * y.double()[col]).sum(1)
+        tol = 1e-12 if dtype == F64 else 1e-5
+        torch.testing.assert_close(got.double(), dots, rtol=tol, atol=tol)
+        assert graph.sddmm(x, y, alpha=0.37).data_ptr() != got.data_ptr() or num_edges == 0
+
+
 @pytest.mark.parametrize("base_dtype", [torch.int64, torch.int32])
 def test_rejection_draw_numpy_equals_torch_kernels(base_dtype):
     """The key draw by rejection in numpy's kernels (the CPU default) gives the keys of
     the same algorithm in torch's kernels on the same numpy uniforms, bit for bit, and
     leaves the stream in the same place: widths 1, 7 and 300, tables with zero and
-    one entries, no draw, one draw, many."""
+    one entries, no draw, one draw, many; also written into a slice of a larger tensor."""
     from companion.sbm.fastrg import _RandomSource, _rejection_draw, _rejection_draw_torch
 
     g = torch.Generator().manual_seed(28)
@@ -615,6 +655,13 @@ def test_rejection_draw_numpy_equals_torch_kernels(base_dtype):
         (got, state_got), (want, state_want) = keys
         assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
         assert state_got == state_want
+        # written into a slice of a larger tensor (as _draw_keys does): the same keys
+        # there, nothing around them touched
+        source = _RandomSource(torch.device("cpu"), torch.Generator().manual_seed(3), "numpy")
+        into = torch.full((draws_n + 5,), -7, dtype=torch.int64)
+        assert _rejection_draw(accept, width, base, source, into[2:2 + draws_n]) is not None
+        assert torch.equal(into[2:2 + draws_n], want)
+        assert bool((into[:2] == -7).all()) and bool((into[2 + draws_n:] == -7).all())
         if width > 1 and draws_n:
             assert not bool((got == 1).any()) and int(got.max()) < width
 

@@ -46,7 +46,7 @@ def _draw_keys(km: torch.Tensor, counts: torch.Tensor, n: int, draws: _RandomSou
             if e1 > e0:
                 base = repeat_each(table.cell_base[c0 - first:c1 - first], counts[c0:c1],
                                    e1 - e0)
-                key[e0:e1] = table.draw(base, draws)
+                table.draw(base, draws, out=key[e0:e1])
     return key
 
 
@@ -102,11 +102,13 @@ class _KeyTable:
             rows = rows.to(torch.int32)
         self.cell_base = rows.expand(groups, n, kc).reshape(-1)
 
-    def draw(self, base: torch.Tensor, draws: _RandomSource) -> torch.Tensor:
-        """One key per entry of ``base`` (a ``cell_base`` entry per edge)."""
+    def draw(self, base: torch.Tensor, draws: _RandomSource, out: torch.Tensor) -> None:
+        """One key per entry of ``base`` (a ``cell_base`` entry per edge), written into
+        ``out`` (int64, as long as ``base``)."""
         if self.accept is not None:
-            return _rejection_draw(self.accept, self.width, base, draws)
-        return _search_rows(self.cdf, self.last, base, draws)
+            _rejection_draw(self.accept, self.width, base, draws, out)
+        else:
+            out.copy_(_search_rows(self.cdf, self.last, base, draws))
 
 
 def _cdf_table(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +158,8 @@ def _search_rows(
 
 
 def _rejection_draw(
-    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource
+    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one column per entry of ``base`` by rejection from the uniform proposal.
 
@@ -166,11 +169,15 @@ def _rejection_draw(
     are proposed again, so ``Pr[c] = weight[r, c] / sum_c weight[r, c]`` exactly.  One
     look-up per proposal and no table to search, expected ``max / mean`` proposals per
     draw (about two for sigmoid memberships; with ``key_draw="auto"`` the caller bounds it
-    by falling back to :func:`_search_rows` for skewed rows)."""
+    by falling back to :func:`_search_rows` for skewed rows).  The columns go into
+    ``out`` (int64, as long as ``base``; a new tensor if None), which is returned."""
+    if out is None:
+        out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
     if draws.rng is not None and accept.device.type == "cpu":
-        return torch.from_numpy(
-            _rejection_draw_numpy(accept.numpy(), width, base.numpy(), draws.rng))
-    return _rejection_draw_torch(accept, width, base, draws)
+        _rejection_draw_numpy(accept.numpy(), width, base.numpy(), draws.rng, out.numpy())
+    else:
+        out.copy_(_rejection_draw_torch(accept, width, base, draws))
+    return out
 
 
 def _rejection_draw_torch(
@@ -202,23 +209,37 @@ def _rejection_draw_torch(
 
 
 def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
-                          rng: np.random.Generator) -> np.ndarray:
+                          rng: np.random.Generator, out: np.ndarray | None = None) -> np.ndarray:
     """:func:`_rejection_draw` on CPU with numpy's uniforms, in numpy's kernels: the same
     operations on the same uniforms as :func:`_rejection_draw_torch` (so the same keys,
     bit for bit), with fewer conversions between the two libraries' arrays, numpy's
-    ``take`` for the look-ups and the compaction."""
-    out = np.empty(base.size, dtype=np.int64)
+    ``take`` for the look-ups and the compaction.  The first round's proposals are
+    written straight into ``out`` (int64, as long as ``base``; new if None), and every
+    round's indices, look-ups and coin comparisons into scratch arrays made once: a
+    round's arrays are no longer than the first's."""
+    if out is None:
+        out = np.empty(base.size, dtype=np.int64)
+    index = np.empty(base.size, dtype=np.int64)
+    looked_up = np.empty(base.size)
+    is_rejected = np.empty(base.size, dtype=bool)
     pending = None  # indices into out still to draw (None: all of them)
     while base.size:
-        x = rng.random(base.size)
+        size = base.size
+        x = rng.random(size)
         x *= width
-        col = x.astype(np.int64)  # truncation, as torch's conversion
+        # every proposal of the first round is written (the rejected ones are overwritten
+        # in a later round); a later round's only where it is still pending
+        col = out if pending is None else np.empty(size, dtype=np.int64)
+        np.copyto(col, x, casting="unsafe")  # truncation, as astype and torch's conversion
         np.minimum(col, width - 1, out=col)
         x -= col  # the coin
-        rejected = np.flatnonzero(x >= accept.take(col + base))
+        np.add(col, base, out=index[:size], casting="unsafe")
+        # every index is in the table (col < width): no bounds check ("clip")
+        accept.take(index[:size], out=looked_up[:size], mode="clip")
+        rejected = np.flatnonzero(np.greater_equal(x, looked_up[:size],
+                                                   out=is_rejected[:size]))
         del x
         if pending is None:
-            out[...] = col
             pending = rejected
         else:
             out[pending] = col
