@@ -1095,11 +1095,13 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
             assert torch.get_num_threads() == threads
             assert model.config._attn_implementation == "eager"
             # every lane's work buffers outlive the pass (and serve the next ones), one
-            # workspace per lane and where entry, lane 0 under the serial path's keys
+            # workspace per buffer slot (LANE_SLOTS per lane) and where entry, slot 0
+            # under the serial path's keys
             if threads <= setting.lanes:
                 most_lanes = max(most_lanes, min(threads, setting.lanes))
+            slots = corpus.LANE_SLOTS * most_lanes if most_lanes > 1 else 1
             assert set(corpus._SHARED_WORKSPACES) <= {
-                key + where for key in ["cpu", *(f"cpu/lane{n}" for n in range(1, most_lanes))]
+                key + where for key in ["cpu", *(f"cpu/lane{n}" for n in range(1, slots))]
                 for where in ("", "/where1")}
             runs.append((first, second, post, single))
 
@@ -1114,7 +1116,8 @@ def test_lanes_and_side_by_side_updates_equal_one_after_the_other(tiny_model_dir
         assert kept and now.keys() == kept.keys() and all(now[k] is kept[k] for k in kept)
     finally:
         torch.set_num_threads(before)
-    assert {"cpu/lane1", "cpu/lane1/where1"} <= set(corpus._SHARED_WORKSPACES)  # kept
+    assert {f"cpu/lane{slot}{where}" for slot in range(1, corpus.LANE_SLOTS * 2)
+            for where in ("", "/where1")} <= set(corpus._SHARED_WORKSPACES)  # kept
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):
             _assert_stats_identical(got, want)
@@ -1161,6 +1164,45 @@ def test_lanes_add_in_order_and_raise_the_first_error():
             corpus._in_lanes(2, 2, 40, compute, lambda job, value: added.append(job))
         assert added == list(range(len(added))) and len(added) <= 2 + failing_lane
         assert torch.get_num_threads() == before
+
+
+def test_lanes_with_two_slots_go_on_while_their_last_job_waits_to_be_added():
+    """corpus._in_lanes with two buffer slots per lane: a lane computes its next job while
+    its last one waits for the jobs before it to be added (here lane 1 computes jobs 1
+    and 3 while lane 0 holds job 0 back, which one slot per lane would deadlock); the
+    adds still come in job order, each job's slot holds that job's results when it is
+    added (no slot is reused before its job was added), lane ``l`` uses its slots ``l``
+    and ``l + n_lanes`` in turn, and an error in an add is raised."""
+    import threading
+
+    for n_lanes, n_jobs in ((2, 9), (3, 10), (2, 2), (2, 1), (3, 0)):
+        held = threading.Event()  # lane 1 computed its first two jobs
+        occupant, added, slots_of = {}, [], {}
+
+        def compute(job, slot):
+            lane = job % n_lanes
+            assert slot == lane + (job // n_lanes % 2) * n_lanes
+            occupant[slot] = job
+            slots_of[job] = slot
+            if job == 0 and n_jobs > 3:
+                assert held.wait(timeout=30), "lane 1 waited for job 0's add"
+            if job == 1 + n_lanes:
+                held.set()
+            return job * 10
+
+        def add(job, value):
+            assert value == job * 10 and occupant[slots_of[job]] == job
+            added.append(job)
+
+        corpus._in_lanes(n_lanes, n_lanes, n_jobs, compute, add, slots_per_lane=2)
+        assert added == list(range(n_jobs))
+
+    def failing_add(job, value):
+        if job == 3:
+            raise ValueError("add 3")
+
+    with pytest.raises(ValueError, match="add 3"):
+        corpus._in_lanes(2, 2, 40, lambda job, slot: job, failing_add, slots_per_lane=2)
 
 
 def test_lanes_restore_the_thread_count_after_every_lane_stopped():

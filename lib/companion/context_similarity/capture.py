@@ -77,10 +77,12 @@ class CaptureSettings:
     same numbers (tested), so only the speed changes. False: one entry after the other.
 
     ``lanes``: on a CPU whose intra-op thread count ``T`` is 2 to ``lanes``,
-    :func:`analyse_corpus` keeps ``T`` batches in flight (fewer if there are fewer),
-    each on a thread of its own with one intra-op thread: a lane runs its batch's forward
-    pass and every update, and the lanes add their batches' parts to the statistics one
-    batch after the other, in the windows' order. The forward's numbers at one intra-op
+    :func:`analyse_corpus` runs ``T`` lanes (fewer if there are fewer batches), each a
+    thread of its own with one intra-op thread: a lane runs its batch's forward pass and
+    every update, and the batches' parts are added to the statistics one batch after the
+    other, in the windows' order. Each lane keeps two sets of work buffers, so that it
+    computes its next batch while its last one waits for the earlier batches of the
+    other lanes to be added. The forward's numbers at one intra-op
     thread equal those at 2, 3 and 4 bit for bit (tested on the bundled MiniLM at the
     chapter's 16 x 128 batch shape), so the statistics are those of one batch after the
     other, bit for bit; the small ops of a batch (a window's attention, a head's

@@ -41,18 +41,20 @@ from companion.thread_budget import adopt_thread_budget
 
 __all__ = ["analyse_corpus", "checkpoint_dir", "checkpoint_key", "clear_workspaces"]
 
-# Work buffers of analyse_corpus, one Workspace per device, lane and where entry, kept
-# between calls: buffers of tens of megabytes are handed back to the operating system
-# when freed, and page-faulting them in again costs about as much per call as a batch of
-# analysis. A cache, not a setting: clear_workspaces() frees them.
+# Work buffers of analyse_corpus, one Workspace per device, buffer slot (see _in_lanes)
+# and where entry, kept between calls: buffers of tens of megabytes are handed back to
+# the operating system when freed, and page-faulting them in again costs about as much
+# per call as a batch of analysis. A cache, not a setting: clear_workspaces() frees them.
 _SHARED_WORKSPACES: dict[str, Workspace] = {}
+# buffer slots per lane of analyse_corpus (see _in_lanes)
+LANE_SLOTS = 2
 
 
 def clear_workspaces() -> None:
     """Free the work buffers :func:`analyse_corpus` keeps between calls (the bool map of
     ``A >= attention_threshold``, ``L H B T^2`` bytes, the head outputs and the
-    similarity buffers: about 60 MB per device and lane for MiniLM in float32, batches
-    of 16).
+    similarity buffers: about 60 MB per device and set of buffers for MiniLM in
+    float32, batches of 16; the serial pass keeps one set, lanes two each).
 
     >>> clear_workspaces()
     """
@@ -277,11 +279,11 @@ def analyse_corpus(
     n_lanes = (min(threads, len(mine)) if model_device.type == "cpu" and threads <= settings.lanes
                else 1)
 
-    def lane_workspaces(lane):
+    def lane_workspaces(slot):
         """One workspace per where for the update's buffers (the capture's in the first),
-        kept between calls: lane 0's (the serial path's) under the device's name, lane
-        ``l``'s under ``<device>/lane<l>``."""
-        lane_key = str(model_device) if lane == 0 else f"{model_device}/lane{lane}"
+        kept between calls: slot 0's (the serial path's) under the device's name, slot
+        ``s``'s (of :func:`_in_lanes`) under ``<device>/lane<s>``."""
+        lane_key = str(model_device) if slot == 0 else f"{model_device}/lane{slot}"
         return [_SHARED_WORKSPACES.setdefault(
             lane_key if n == 0 else f"{lane_key}/where{n}", Workspace())
             for n in range(len(fresh))]
@@ -304,12 +306,14 @@ def analyse_corpus(
 
     with buffered_attention(model):  # set once: lanes run forward passes side by side
         if n_lanes > 1:
-            workspaces = [lane_workspaces(lane) for lane in range(n_lanes)]
+            # two buffer slots per lane: a lane computes its next batch while its last
+            # one waits to be added after the other lanes' earlier ones
+            workspaces = [lane_workspaces(slot) for slot in range(LANE_SLOTS * n_lanes)]
 
-            def compute(position, lane):
-                n_windows, results = forward(position, workspaces[lane][0])
+            def compute(position, slot):
+                n_windows, results = forward(position, workspaces[slot][0])
                 return n_windows, [s.batch_parts(r, workspace=ws) for s, r, ws in
-                                   zip(fresh, results, workspaces[lane])]
+                                   zip(fresh, results, workspaces[slot])]
 
             def add(position, computed):
                 n_windows, parts = computed
@@ -317,7 +321,8 @@ def analyse_corpus(
                     s.add_parts(batch_parts)
                 advance(n_windows)
 
-            _in_lanes(n_lanes, n_lanes, len(mine), compute, add)  # one intra-op thread each
+            _in_lanes(n_lanes, n_lanes, len(mine), compute, add,  # one intra-op thread each
+                      slots_per_lane=LANE_SLOTS)
         else:
             _one_batch_at_a_time(fresh, lane_workspaces(0), len(mine), forward, advance,
                                  side_by_side=(settings.side_by_side_updates
@@ -559,24 +564,50 @@ class _Cancelled(Exception):
     """A lane stops because another one failed (never leaves :func:`_in_lanes`)."""
 
 
-class _Turns:
-    """Whose turn it is to add its batch: positions 0, 1, 2, ... one after the other."""
+class _InOrder:
+    """Adds the lanes' jobs in job order, 0, 1, 2, ..., whichever lane computed them: a
+    computed job waits here until every job before it was added, and the lane that adds
+    a job goes on with the following ones already computed (one lane adds at a time)."""
 
-    def __init__(self):
+    def __init__(self, add):
+        self._add = add
         self._condition = threading.Condition()
-        self._next = 0
+        self._added = 0  # jobs 0 .. _added - 1 are added
+        self._waiting: dict[int, object] = {}  # computed jobs not yet added
+        self._adding = False  # a lane is adding (outside the lock)
         self._cancelled = False
 
-    def wait(self, position: int) -> None:
+    def wait_added(self, count: int) -> None:
+        """Return once jobs ``0 .. count - 1`` are added; raise if the lanes stopped
+        before they were."""
         with self._condition:
-            self._condition.wait_for(lambda: self._next == position or self._cancelled)
-            if self._cancelled:
+            self._condition.wait_for(lambda: self._added >= count or self._cancelled)
+            if self._added < count:
                 raise _Cancelled
 
-    def done(self, position: int) -> None:
+    def hand_in(self, job: int, computed) -> None:
+        """``job`` is computed: add it now if it is next (and the waiting ones after it),
+        else leave it to the lane that adds the one before it."""
         with self._condition:
-            self._next = position + 1
-            self._condition.notify_all()
+            if self._cancelled:
+                raise _Cancelled
+            self._waiting[job] = computed
+            if self._adding:
+                return  # that lane finds it when it gets there
+            self._adding = True
+        while True:
+            with self._condition:
+                following = self._added
+                if self._cancelled or following not in self._waiting:
+                    self._adding = False
+                    if self._cancelled:
+                        raise _Cancelled
+                    return
+                computed = self._waiting.pop(following)
+            self._add(following, computed)
+            with self._condition:
+                self._added = following + 1
+                self._condition.notify_all()
 
     def cancel(self) -> None:
         with self._condition:
@@ -584,31 +615,40 @@ class _Turns:
             self._condition.notify_all()
 
 
-def _in_lanes(n_lanes: int, threads: int, n_jobs: int, compute, add) -> None:
+def _in_lanes(n_lanes: int, threads: int, n_jobs: int, compute, add,
+              slots_per_lane: int = 1) -> None:
     """Jobs ``0 .. n_jobs - 1`` on ``n_lanes`` threads (this one is lane 0): lane ``l``
-    computes jobs ``l, l + n_lanes, ...`` (``compute(job, l)``, with ``threads // n_lanes``
-    intra-op threads) and ``add(job, computed)`` runs in job order, one at a time, each
-    on its lane right after the previous job's (a lane adds its job before it computes
-    its next, so a job's results may live in the lane's buffers). The first error of a
-    lane stops the others at their next turn and is raised here; the calling thread's
-    intra-op thread count is restored.
+    computes jobs ``l, l + n_lanes, ...`` (``compute(job, slot)``, with ``threads //
+    n_lanes`` intra-op threads) and ``add(job, computed)`` runs for every job in job
+    order, one at a time, on whichever lane computed the job or, if that lane is still
+    waiting for the job before it, on the lane that adds that one.
+
+    ``slot`` names the buffers a job's results may live in until it is added: a lane has
+    ``slots_per_lane`` of them, used in turn (lane ``l``'s ``s``-th is slot ``l + s *
+    n_lanes``, so with one per lane the slot is the lane), and starts a job only once
+    the job that used its slot before was added. With one slot a lane waits for its job
+    to be added before it computes the next; with two it computes the next meanwhile,
+    and lanes that take a little longer or shorter per job do not hold each other up.
+
+    The first error of a lane stops the others at their next wait and is raised here;
+    the calling thread's intra-op thread count is restored.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     per_lane = max(1, threads // n_lanes)
     caller = torch.get_num_threads()
-    turns = _Turns()
+    in_order = _InOrder(add)
 
     def lane(index):
         torch.set_num_threads(per_lane)  # this thread's intra-op threads
         try:
-            for job in range(index, n_jobs, n_lanes):
-                computed = compute(job, index)
-                turns.wait(job)
-                add(job, computed)
-                turns.done(job)
+            for turn, job in enumerate(range(index, n_jobs, n_lanes)):
+                # the job that used this slot before: added before its buffers are reused
+                in_order.wait_added(job - slots_per_lane * n_lanes + 1)
+                computed = compute(job, index + (turn % slots_per_lane) * n_lanes)
+                in_order.hand_in(job, computed)
         except BaseException:
-            turns.cancel()
+            in_order.cancel()
             raise
 
     errors = []
@@ -627,12 +667,14 @@ def _in_lanes(n_lanes: int, threads: int, n_jobs: int, compute, add) -> None:
                     if exc is not None and not isinstance(exc, _Cancelled):
                         errors.append(exc)
             except BaseException:  # interrupted while waiting: stop the other lanes
-                turns.cancel()
+                in_order.cancel()
                 raise
     finally:  # every lane has stopped (the pool's exit waits): none sets a count after this
         torch.set_num_threads(caller)  # the lanes' counts may be shared: restore
     if errors:
         raise errors[0]
+    if in_order._added != n_jobs:  # pragma: no cover - every lane returned without error
+        raise RuntimeError(f"lanes: {in_order._added} of {n_jobs} jobs added")
 
 
 def _one_batch_at_a_time(fresh, workspaces, n_jobs, forward, advance, side_by_side):
