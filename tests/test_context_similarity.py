@@ -143,6 +143,23 @@ def test_return_hidden_gives_the_models_final_hidden_states_from_the_same_pass(
                                own_tiny, atol=1e-5, rtol=0)
     with pytest.raises(TypeError, match="return_hidden"):
         head_outputs(model, inputs, return_hidden="yes")
+    # with a workspace: the same numbers, its buffers reused by the next call (a shorter
+    # batch included), and the views of the last call overwritten by it
+    from companion.context_similarity import Workspace
+
+    ws = Workspace()
+    kept = head_outputs(model, inputs, return_hidden=True, workspace=ws)
+    assert torch.equal(kept.outputs, full.outputs) and torch.equal(kept.attentions,
+                                                                   full.attentions)
+    torch.testing.assert_close(kept.hidden, full.hidden, atol=0, rtol=0)
+    pointers = (kept.outputs.data_ptr(), kept.attentions.data_ptr())
+    first_two = {k: v[:2] for k, v in inputs.items()}
+    again = head_outputs(model, first_two, return_hidden=True, workspace=ws)
+    assert (again.outputs.data_ptr(), again.attentions.data_ptr()) == pointers
+    assert torch.equal(again.outputs, head_outputs(model, first_two).outputs)
+    assert torch.equal(again.attentions, head_outputs(model, first_two).attentions)
+    with pytest.raises(TypeError, match="workspace"):
+        head_outputs(model, inputs, workspace={})
 
 
 def test_attention_maps_equal_the_models_own_and_config_is_restored(minilm64):

@@ -239,8 +239,8 @@ def wo_gram(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = False
-                 ) -> HeadOutputs:
+def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = False,
+                 workspace: Workspace | None = None) -> HeadOutputs:
     """Every head's output vector for every token, and the attention maps.
 
     A registered attention function (the eager computation, the model's configured
@@ -270,6 +270,11 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
         forward pass, which then runs to the end instead of stopping after the last
         layer's attention: one pass gives what a head-output analysis and a baseline on
         the final hidden states both need.
+    workspace : :class:`Workspace`, optional
+        Keeps the buffers of the pre-W_O outputs and the maps between calls (for a loop
+        over batches: a fresh buffer of a hundred megabytes costs a page fault per 4 KiB
+        at every batch). The returned views then live in its buffers and are overwritten
+        by the next call with it; without it they are fresh.
 
     Returns
     -------
@@ -302,13 +307,16 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
     ``return_hidden``); the outputs and maps are written in place, no copy: both are
     views (``outputs`` of a ``[L, H, B, T, d]`` buffer, ``attentions`` of a
     ``[L, B, H, T, T]`` one) of buffers fresh to this call, which no later call
-    overwrites (they live as long as the views do).
+    overwrites (they live as long as the views do), or of ``workspace``'s.
     """
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
     return_hidden = check_bool("return_hidden", return_hidden)
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace: expected a companion.context_similarity.Workspace or "
+                        f"None, got {type(workspace).__name__}")
     z, attentions, _, hidden = _capture(model, _batch_tensors(batch, model),
-                                        return_hidden=return_hidden)
+                                        workspace=workspace, return_hidden=return_hidden)
     if where == "post_wo":
         layers = encoder_layers(model)
         n_layers, n_heads, d = _heads(model)

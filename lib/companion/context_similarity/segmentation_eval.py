@@ -361,25 +361,21 @@ class Features:
     hidden: torch.Tensor  # [N, n, D] float32, final hidden states
 
 
-def _forward(model, part: Windows, buffers: dict | None = None):
+def _forward(model, part: Windows, workspace: Workspace | None = None):
     """(content-token similarity view, content-token attention view, hidden) of a batch;
-    with ``buffers`` (a dict kept between batches), the similarity matrices are written
-    into a buffer kept there (the views are then valid until the next call)."""
+    with a ``workspace`` (kept between batches), the head outputs, the maps and the
+    similarity matrices live in its buffers (the views are then valid until the next
+    call with it)."""
     from companion import context_similarity as cs
 
     dev = next(model.parameters()).device
     batch = {"input_ids": part.input_ids.to(dev), "attention_mask": part.attention_mask.to(dev)}
     with torch.no_grad():
-        ho = cs.head_outputs(model, batch, return_hidden=True)
-        out = None
-        if buffers is not None:
-            shape = (*ho.outputs.shape[:-1], ho.outputs.shape[-2])
-            kept = buffers.get("sims")
-            if (kept is None or kept.shape[1:] != shape[1:] or kept.shape[0] < shape[0]
-                    or kept.dtype != ho.outputs.dtype or kept.device != ho.outputs.device):
-                kept = buffers["sims"] = torch.empty(shape, dtype=ho.outputs.dtype,
-                                                     device=ho.outputs.device)
-            out = kept[:shape[0]]  # a shorter last batch: the first rows (contiguous)
+        ho = cs.head_outputs(model, batch, return_hidden=True, workspace=workspace)
+        shape = (*ho.outputs.shape[:-1], ho.outputs.shape[-2])
+        out = (None if workspace is None else work_buffer(
+            workspace, "segmentation_similarity", math.prod(shape), ho.outputs.dtype,
+            ho.outputs.device).view(shape))
         sims = cs.similarity_matrices(ho.outputs, out=out)[..., 1:-1, 1:-1]
     return sims, ho.attentions[..., 1:-1, 1:-1], ho.hidden[:, 1:-1]
 
@@ -440,9 +436,9 @@ def _window_features(model, windows: Windows, batch_size: int,
         return work_buffer(kept, name, math.prod(shape), torch.float32, x.device).view(shape)
 
     out: Features | None = None
-    buffers: dict = {}  # the similarity matrices' buffer, kept between batches
+    batch_buffers = Workspace()  # the forward's and similarity buffers, kept between batches
     for start in range(0, len(windows), batch_size):
-        sims, att, hidden = _forward(model, windows[start:start + batch_size], buffers)
+        sims, att, hidden = _forward(model, windows[start:start + batch_size], batch_buffers)
         if out is None:
             out = Features(maps("heads", sims), maps("attention", att),
                            torch.empty((len(windows), *hidden.shape[1:]),
