@@ -113,7 +113,6 @@ THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 # issue 38's speed-ups of the edge path over SDPA, (n, density): target; each timed head
 # to head in a process of its own (versus_worker), VERSUS_REPEATS alternations
 VERSUS_TARGETS = {(4096, 0.05): 1.5, (8192, 0.01): 5.0}
-VERSUS = list(VERSUS_TARGETS)
 VERSUS_REPEATS = 9
 
 
@@ -592,7 +591,7 @@ def main() -> None:
 
     # the two configurations of issue 38's speed-ups over SDPA, timed head to head
     versus = []
-    for n, density in VERSUS:
+    for n, density in VERSUS_TARGETS:
         if n not in sizes:
             continue
         res = _spawn(["versus", str(n), str(density), str(VERSUS_REPEATS)], timeout=900)

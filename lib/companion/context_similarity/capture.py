@@ -312,9 +312,6 @@ def head_outputs(model, batch, where: str = "pre_wo", return_hidden: bool = Fals
     if where not in WHERE:
         raise ValueError(f"where: expected one of {WHERE}, got {where!r}")
     return_hidden = check_bool("return_hidden", return_hidden)
-    if workspace is not None and not isinstance(workspace, Workspace):
-        raise TypeError(f"workspace: expected a companion.context_similarity.Workspace or "
-                        f"None, got {type(workspace).__name__}")
     z, attentions, _, hidden = _capture(model, _batch_tensors(batch, model),
                                         workspace=workspace, return_hidden=return_hidden)
     if where == "post_wo":
