@@ -176,15 +176,18 @@ def _rejection_draw(
     if draws.rng is not None and accept.device.type == "cpu":
         _rejection_draw_numpy(accept.numpy(), width, base.numpy(), draws.rng, out.numpy())
     else:
-        out.copy_(_rejection_draw_torch(accept, width, base, draws))
+        _rejection_draw_torch(accept, width, base, draws, out)
     return out
 
 
 def _rejection_draw_torch(
-    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource
+    accept: torch.Tensor, width: int, base: torch.Tensor, draws: _RandomSource,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`_rejection_draw` in torch's kernels (CUDA, or torch's CPU uniforms)."""
-    out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
+    """:func:`_rejection_draw` in torch's kernels (CUDA, or torch's CPU uniforms), into
+    ``out`` (a new tensor if None), which is returned."""
+    if out is None:
+        out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
     pending = None  # indices into out still to draw (None: all of them)
     while base.numel():
         # one float64 uniform gives the column (integer part of x) and the coin
@@ -209,16 +212,14 @@ def _rejection_draw_torch(
 
 
 def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
-                          rng: np.random.Generator, out: np.ndarray | None = None) -> np.ndarray:
+                          rng: np.random.Generator, out: np.ndarray) -> np.ndarray:
     """:func:`_rejection_draw` on CPU with numpy's uniforms, in numpy's kernels: the same
     operations on the same uniforms as :func:`_rejection_draw_torch` (so the same keys,
     bit for bit), with fewer conversions between the two libraries' arrays, numpy's
     ``take`` for the look-ups and the compaction.  The first round's proposals are
-    written straight into ``out`` (int64, as long as ``base``; new if None), and every
+    written straight into ``out`` (int64, as long as ``base``), and every
     round's indices, look-ups and coin comparisons into scratch arrays made once: a
     round's arrays are no longer than the first's."""
-    if out is None:
-        out = np.empty(base.size, dtype=np.int64)
     index = np.empty(base.size, dtype=np.int64)
     looked_up = np.empty(base.size)
     is_rejected = np.empty(base.size, dtype=bool)
