@@ -291,18 +291,15 @@ def versus_worker(n: int, density: float, repeats: int, seed: int = 0) -> dict:
     alternation (edge then SDPA, the order reversed every other repeat) after one warm-up
     of each, so that both meet the same machine state: the medians of each and the median
     of the per-repeat ratios SDPA / edge, with their spread."""
-    import time as _time
-
     runs, _ = workloads(n, density, seed)
-    edge, sdpa = runs["edge"], runs["sdpa"]
-    edge()
-    sdpa()
     times: dict = {"edge": [], "sdpa": []}
+    for name in times:  # warm-up
+        runs[name]()
     for r in range(repeats):
         for name in (("edge", "sdpa") if r % 2 == 0 else ("sdpa", "edge")):
-            t0 = _time.perf_counter()
+            t0 = time.perf_counter()
             runs[name]()
-            times[name].append(_time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
     ratios = [s / e for s, e in zip(times["sdpa"], times["edge"])]
     return {"n": n, "density": density, "repeats": repeats, "times_s": times,
             "edge_s": statistics.median(times["edge"]),
