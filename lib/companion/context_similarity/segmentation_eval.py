@@ -436,7 +436,9 @@ def _window_features(model, windows: Windows, batch_size: int,
         return work_buffer(kept, name, math.prod(shape), torch.float32, x.device).view(shape)
 
     out: Features | None = None
-    batch_buffers = Workspace()  # the forward's and similarity buffers, kept between batches
+    # the forward's and similarity buffers, kept between batches (and with ``kept``
+    # between calls too: its names are the maps', these are the capture's own)
+    batch_buffers = Workspace() if kept is None else kept
     for start in range(0, len(windows), batch_size):
         sims, att, hidden = _forward(model, windows[start:start + batch_size], batch_buffers)
         if out is None:
