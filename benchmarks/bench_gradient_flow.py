@@ -10,7 +10,8 @@ peak memory against n (each size in a fresh subprocess).
 
 Also the machine's limit for the step: its work (``P H n^2 d`` multiply-adds for the logits,
 ``P H n^2`` exponentials, about 120 M and 40 M here) at this core's measured float64 GEMM rate
-and vectorised exponential rate (the faster of ``torch.exp`` and ``torch.exp2``), and the
+and vectorised exponential rate (the fastest of ``torch.exp``, ``torch.exp2`` and numpy's
+``exp`` and ``exp2``, which the kernel's numpy backend uses), and the
 fraction of that limit our step reaches.
 
 Also where one step's time goes: self CPU time per torch operator of a warm step at 1 thread
@@ -43,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -113,23 +115,27 @@ def machine_limit(n, H, P, d=3, reps=5):
     """Seconds one step's work takes at this core's float64 GEMM and exponential rates.
 
     The rates are the best of ``reps`` runs in CPU time (a loaded machine takes the core
-    away, not its speed): a 1024^3 GEMM (multiply-adds per second) and the faster of
-    ``exp`` and ``exp2`` over 2^16 cache-resident doubles (seconds per exponential). The
+    away, not its speed): a 1024^3 GEMM (multiply-adds per second) and the fastest of
+    torch's and numpy's ``exp`` and ``exp2`` over 2^16 cache-resident doubles (seconds per
+    exponential). The
     work is the paper's step, ``P H n^2 d`` multiply-adds and ``P H n^2`` exponentials;
     the symmetric kernel needs only about half of the exponentials, reported apart.
     """
     a = torch.randn(1024, 1024, dtype=torch.float64)
     v = torch.randn(1 << 16, dtype=torch.float64)
     out = torch.empty_like(v)
+    v_np, out_np = v.numpy(), out.numpy()
+    exponentials = (lambda: torch.exp(v, out=out), lambda: torch.exp2(v, out=out),
+                    lambda: np.exp(v_np, out=out_np), lambda: np.exp2(v_np, out=out_np))
     gemm, exps = [], []
     for _ in range(reps):
         t0 = time.process_time()
         a @ a
         gemm.append(time.process_time() - t0)
-        for exp in (torch.exp, torch.exp2):
+        for exponential in exponentials:
             t0 = time.process_time()
             for _ in range(200):
-                exp(v, out=out)
+                exponential()
             exps.append((time.process_time() - t0) / (200 * v.numel()))
     macs_per_s = 1024**3 / min(gemm)
     s_per_exp = min(exps)

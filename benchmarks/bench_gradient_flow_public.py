@@ -13,10 +13,12 @@ same machine load (this shared machine's speed drifts by up to 1.3x within minut
   ``k`` steps evaluates ``k + 1`` states);
 - **authors' engine**: one step of ``benchmarks/baselines/einsum_gradient_flow.py``.
 
-The kernel and the public path are timed twice per repeat: with the kernel's default
-exponential on this machine (:meth:`KernelTuning.exponential_for`) and with
-``exponential="exp"``, the kernel as it was before that choice (the same numbers bit for
-bit); on a machine where the default is ``exp`` both rows time the same code.
+The kernel and the public path are timed twice per repeat: with the kernel's defaults on
+this machine (the exponential, :meth:`KernelTuning.exponential_for`, and the library of
+the block products, :meth:`KernelTuning.backend_for`) and with ``exponential="exp",
+backend="torch"``, the kernel as it was before those choices (the same numbers to
+rounding); on a machine whose defaults are ``exp`` and ``torch`` both rows time the same
+code.
 
 The authors' engine is represented by that einsum twin, reused as it stands: their
 package ``attn_sphere`` (MIT) is not vendored in this repository, and the twin is the same
@@ -177,8 +179,9 @@ def main():
     public_steps = 5 if args.quick else 10
     torch.set_num_threads(1)
     x, D = make_state(n, H, P)
-    default = KernelTuning().exponential_for(x.device)
-    previous = KernelTuning(exponential="exp")  # the kernel before the machine's choice
+    default = (KernelTuning().exponential_for(x.device), KernelTuning().backend_for(x.device))
+    # the kernel before the machine's choices: torch's GEMMs and exp
+    previous = KernelTuning(exponential="exp", backend="torch")
     scratch, scratch_exp = _Scratch(), _Scratch()
     time_kernel(x, D, 1, scratch)  # the kernel's plan and buffers, as simulate's first step
     time_kernel(x, D, 1, scratch_exp, previous)
@@ -222,7 +225,7 @@ def main():
         "size": {"n": n, "heads": H, "paths": P, "dtype": "float64", "process": "OU",
                  "dt": DT, "record_every": RECORD_EVERY, "torch_threads": 1},
         "repeats": reps, "kernel_steps": kernel_steps, "public_steps": public_steps,
-        "exponential": default,
+        "exponential": default[0], "backend": default[1],
         "s_per_step": {name: {clock: med(r[c] for r in runs[name])
                               for clock, c in clocks.items()} for name in names},
         "runs_wall_cpu_s": runs,
@@ -243,23 +246,25 @@ def main():
         t = result["s_per_step"][name]
         return f"| {label} | {t['wall']:.4f} | {t['cpu']:.4f} |"
 
+    chosen = f"`{default[0]}`, `{default[1]}` GEMMs"
+    before = "`exp`, `torch` GEMMs"
     steal_text = "" if steal is None else f", steal {steal:.0%} of the CPU time meanwhile"
     lines = [
         "## gradient_flow: public path (gf.simulate) against its kernel and the authors' "
         "engine, n=200, H=100, 10 paths (float64, OU, 1 thread)",
         "",
         f"{reps} interleaved repeats (kernel {kernel_steps} calls, simulate {public_steps} "
-        "steps, one step of the engine, then the kernel and simulate with `exp`); medians "
+        "steps, one step of the engine, then the kernel and simulate with `exp` and torch's "
+        "GEMMs); medians "
         "of the repeats (min-max), in wall time and in process CPU time.",
         "",
         "| | wall s/step | CPU s/step |",
         "|---|---|---|",
-        seconds(f"step kernel (`kernels._step`, as simulate calls it; `{default}`)",
-                "kernel"),
-        seconds(f"public path (`gf.simulate`, per evaluated state; `{default}`)", "public"),
-        seconds("step kernel with `exp` (the kernel before the machine's choice)",
+        seconds(f"step kernel (`kernels._step`, as simulate calls it; {chosen})", "kernel"),
+        seconds(f"public path (`gf.simulate`, per evaluated state; {chosen})", "public"),
+        seconds(f"step kernel with {before} (the kernel before the machine's choices)",
                 "kernel_exp"),
-        seconds("public path with `exp`", "public_exp"),
+        seconds(f"public path with {before}", "public_exp"),
         seconds("authors' engine (einsum twin of `attn_sphere`)", "engine"),
         "",
         "| ratio | wall: median of the repeats' ratios (min-max) | CPU time |",
@@ -269,9 +274,9 @@ def main():
             "public_over_its_own_kernel_time"),
         row("authors' engine / public path", "engine_over_public"),
         row("authors' engine / step kernel", "engine_over_kernel"),
-        row("with `exp`: public path / step kernel", "exp_public_over_exp_kernel"),
-        row("with `exp`: authors' engine / public path", "engine_over_exp_public"),
-        row(f"public path with `exp` / with `{default}`", "exp_public_over_public"),
+        row(f"with {before}: public path / step kernel", "exp_public_over_exp_kernel"),
+        row(f"with {before}: authors' engine / public path", "engine_over_exp_public"),
+        row(f"public path with {before} / with {chosen}", "exp_public_over_public"),
         "",
         f"Targets (issue 38), wall time: public path <= {TARGET_OVER_KERNEL}x its kernel: "
         f"{over_kernel:.3f}x, " + ("met" if over_kernel <= TARGET_OVER_KERNEL else "missed")

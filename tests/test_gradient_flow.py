@@ -633,13 +633,15 @@ def test_simulate_rejects_unknown_process():
         gf.simulate(x, D, "ou", T=1.0, dt=0.1)
 
 
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
 @pytest.mark.parametrize("blocks", [False, True])
-def test_results_do_not_depend_on_the_thread_count(blocks):
+def test_results_do_not_depend_on_the_thread_count(blocks, backend):
     """simulate spends the caller's threads on independent paths (one intra-op thread
-    each): 1 and 2 threads give the same trajectory bit for bit, and the thread count is
-    restored afterwards."""
+    each, and with numpy's block products one BLAS thread): 1 and 2 threads give the same
+    trajectory bit for bit, and the thread count is restored afterwards."""
     # blocks of 3 rows, or whole matrices in groups of 2 paths: 2 workers either way
-    tuning = gf.KernelTuning(block_elements=3 * 23 * 6 if blocks else 2 * 23 * 23 * 6)
+    tuning = gf.KernelTuning(block_elements=3 * 23 * 6 if blocks else 2 * 23 * 23 * 6,
+                             backend=backend)
     g = torch.Generator().manual_seed(9)
     x = gf.octahedral_tokens(23, paths=5, generator=g)
     D = gf.initial_weights(6, 3, g, paths=5)

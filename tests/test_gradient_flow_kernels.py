@@ -8,7 +8,8 @@ as a plain loop over :func:`gf.reference_step_quantities`, with the same noise d
 A change of the step's rounding (a GEMM layout, a block size, ``exp`` or ``exp2``) must
 keep float64 runs within 1e-10 of the reference's scale over the whole run, and the
 symmetric kernel is reached both on whole matrices and in row blocks (ragged last block at
-odd ``n``), with either exponential.
+odd ``n``), with either exponential and either library for the block products (torch's
+GEMMs and exponentials, or numpy's on the same memory).
 """
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ def reference_trajectory(tokens, weights, process, *, steps, dt, sign, generator
                                              ((1, 1, 1), None), ((2, 9, 16), 2)],
                          ids=["whole", "blocks", "one_token", "blocks_many_heads"])
 @pytest.mark.parametrize("exponential", ["exp", "exp2"])
-def test_simulate_follows_the_reference_scheme(size, block_rows, process, dtype, exponential):
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_simulate_follows_the_reference_scheme(size, block_rows, process, dtype, exponential,
+                                               backend):
     P, n, H = size
     steps, dt, sign = 25, 0.02, -1
     g = torch.Generator().manual_seed(n * 100 + H)
@@ -93,7 +96,7 @@ def test_simulate_follows_the_reference_scheme(size, block_rows, process, dtype,
     tokens = tokens / tokens.norm(dim=-1, keepdim=True)
     weights = gf.initial_weights(H, 3, g, paths=P).to(dtype)
     tuning = gf.KernelTuning(block_elements=None if block_rows is None else block_rows * n * H,
-                             exponential=exponential)
+                             exponential=exponential, backend=backend)
     fast = gf.simulate(tokens, weights, process, T=steps * dt, dt=dt, sign=sign,
                        record_weights=True, generator=torch.Generator().manual_seed(5),
                        tuning=tuning)
@@ -173,3 +176,78 @@ def test_exponential_choice_follows_the_machine_not_a_timing(monkeypatch):
         assert kernels._mkl_exp_on_intel() == (intel and torch.backends.mkl.is_available())
     with pytest.raises(ValueError, match="exponential"):
         gf.KernelTuning(exponential="exp10")
+
+
+def test_backend_choice_follows_the_machine_not_a_timing(monkeypatch):
+    """``backend="auto"`` is ``torch`` off the CPU and on an Intel CPU whose torch uses
+    MKL, ``numpy`` on any other CPU; a named choice is kept; ``numpy`` off the CPU and an
+    unknown name are refused, naming the parameter."""
+    from companion.gradient_flow import kernels
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = gf.KernelTuning()
+    for intel, expected in ((True, "torch"), (False, "numpy")):
+        monkeypatch.setattr(kernels, "_mkl_exp_on_intel", lambda intel=intel: intel)
+        assert auto.backend_for(cpu) == expected
+        assert auto.backend_for(cuda) == "torch"
+        for named in ("torch", "numpy"):
+            assert gf.KernelTuning(backend=named).backend_for(cpu) == named
+    assert gf.KernelTuning(backend="torch").backend_for(cuda) == "torch"
+    with pytest.raises(ValueError, match="backend.*CPU"):
+        gf.KernelTuning(backend="numpy").backend_for(cuda)
+    with pytest.raises(ValueError, match="backend"):
+        gf.KernelTuning(backend="jax")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("block_rows", [None, 3], ids=["whole", "blocks"])
+@pytest.mark.parametrize("exponential", ["exp", "exp2"])
+def test_numpy_blocks_give_the_torch_kernels_numbers_to_rounding(dtype, block_rows,
+                                                                 exponential, monkeypatch):
+    """numpy's GEMMs and exponential on the kernel's own buffers give torch's step to
+    rounding (64 eps of each quantity's scale, ours; float32 1e-5), at odd ``n`` with a
+    ragged last block; numpy's BLAS runs on one thread while the blocks run and gets its
+    thread count back afterwards. The check can fail: a factor 2 on the weights (other
+    logits) moves the energy far beyond the bound."""
+    from threadpoolctl import threadpool_info
+
+    from companion.gradient_flow import kernels
+
+    P, n, H = 3, 19, 5
+    g = torch.Generator().manual_seed(19)
+    tokens = gf.uniform_sphere(n, 3, g, paths=P).to(dtype)
+    weights = gf.initial_weights(H, 3, g, paths=P).to(dtype)
+    drift, noise = -weights, 0.1 * weights
+    bound = 64 * torch.finfo(dtype).eps if dtype == torch.float64 else 1e-5
+
+    def blas_threads():  # numpy's BLAS (scipy's own, if loaded, is another library)
+        return [i["num_threads"] for i in threadpool_info()
+                if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+
+    def step(backend, w=weights):
+        tuning = gf.KernelTuning(block_elements=None if block_rows is None
+                                 else block_rows * n * H, exponential=exponential,
+                                 backend=backend)
+        return gf.step_quantities(tokens, w, drift=drift, sigma=0.3, noise=noise,
+                                  tuning=tuning)
+
+    seen = []
+    real_run = kernels._SymmetricPlan.run
+
+    def run_and_look(plan, t):  # numpy's arrays in the plan, the BLAS threads meanwhile
+        seen.append((plan.arrays is not None, set(blas_threads())))
+        return real_run(plan, t)
+
+    before = blas_threads()
+    assert before, "numpy's BLAS not found by threadpoolctl"
+    with_torch = step("torch")
+    monkeypatch.setattr(kernels._SymmetricPlan, "run", run_and_look)
+    with_numpy = step("numpy")
+    monkeypatch.undo()
+    assert seen and all(look == (True, {1}) for look in seen)
+    assert blas_threads() == before
+    for key, a in with_torch.items():
+        assert (a - with_numpy[key]).abs().max() <= bound * a.abs().max() + 1e-300, key
+    wrong = step("numpy", 2 * weights)
+    assert (wrong["energy"] - with_torch["energy"]).abs().max() \
+        > 1e3 * bound * with_torch["energy"].abs().max()
