@@ -593,6 +593,44 @@ def test_transposed_csr_is_the_stable_column_order(index_dtype):
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_transpose_matmul_equals_the_transposed_csr_product_and_the_dense_one(index_dtype,
+                                                                             dtype):
+    """EdgeGraph.transpose_matmul (on CPU scipy's product with the CSR read as the CSC of
+    the transpose, no transposed CSR built) against the product with the transposed CSR
+    (:meth:`matrix_t`) and against the dense ``A^T x`` in float64: graphs with empty rows
+    and columns, repeated pairs, edges given unsorted, one edge and none, odd sizes, a
+    non-contiguous ``x``, int32 and int64 indices; the dtype is kept."""
+    from companion.sbm.graph_attention import EdgeGraph
+
+    g = torch.Generator().manual_seed(29)
+    tol = {torch.float32: 1e-5, F64: 1e-12}[dtype]
+    for groups, n, m, k, num_edges in ((3, 7, 5, 3, 61), (2, 40, 33, 17, 9), (1, 1, 1, 1, 1),
+                                       (2, 3, 4, 5, 0)):
+        group = torch.randint(0, groups, (num_edges,), generator=g)
+        query = torch.randint(0, n, (num_edges,), generator=g)
+        key = torch.randint(0, m, (num_edges,), generator=g)
+        key[: num_edges // 3] = 0  # repeated pairs, one crowded column per group
+        graph = EdgeGraph(group, query, key, groups, n, m)
+        graph.index_dtype = index_dtype
+        graph.col, graph.crow = graph.col.to(index_dtype), graph.crow.to(index_dtype)
+        order = graph.order if graph.order is not None else torch.arange(num_edges)
+        row, col = (group * n + query)[order], (group * m + key)[order]
+        values = torch.randn(num_edges, generator=g, dtype=dtype)
+        for x in (torch.randn(groups * n, k, generator=g, dtype=dtype),
+                  torch.randn(k, groups * n, generator=g, dtype=dtype).t()):
+            got = graph.transpose_matmul(values, x)
+            assert got.dtype == dtype and got.shape == (groups * m, k)
+            want = graph.matrix_t(values) @ x
+            scale = max(1.0, want.abs().max().item())
+            assert (got - want).abs().max().item() <= tol * scale
+            dense = torch.zeros(groups * n, groups * m, dtype=F64)
+            dense.index_put_((row, col), values.double(), accumulate=True)
+            exact = dense.t() @ x.double()
+            assert (got.double() - exact).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_sddmm_in_place_equals_the_copying_product_and_the_gathered_dots(index_dtype, dtype):
     """EdgeGraph.sddmm (the product written into its pattern's values, ``out=``) gives
     the numbers of the copying ``sampled_addmm`` it replaced, bit for bit, and the dots of

@@ -86,11 +86,13 @@ class EdgeGraph:
     Built once per sampled graph and shared by the attention and the straight-through
     estimator.  Edges already sorted by ``(group, query)`` (as :func:`fastrg_sample`
     returns them) are used as they are; otherwise ``order`` holds the stable row-major
-    permutation (``sorted[e] = given[order[e]]``).  The transposed (column-major) CSR,
-    needed for gradients of keys and values, is built on first use.
+    permutation (``sorted[e] = given[order[e]]``).  The gradients of keys and values
+    need products with the transpose (:meth:`transpose_matmul`): on CPU they read the CSR
+    as the CSC of the transpose; elsewhere the transposed (column-major) CSR is built on
+    first use.
 
-    Memory: two indices per edge (one on CPU; two more once transposed), int32 when they
-    fit, and ``O(G (n + m))``.
+    Memory: two indices per edge (one on CPU; two more once transposed, off the CPU or
+    by :meth:`matrix_t`), int32 when they fit, and ``O(G (n + m))``.
 
     Examples
     --------
@@ -145,6 +147,24 @@ class EdgeGraph:
                 size=(self.num_rows, self.num_cols),
                 check_invariants=False,
             )
+
+    def transpose_matmul(self, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``A^T x`` ``[G m, k]`` for ``A`` the ``[G n, G m]`` matrix with ``values`` on the
+        edges (row-major) and ``x`` ``[G n, k]`` of the same dtype.
+
+        On CPU the CSR arrays are read as the CSC arrays of ``A^T`` and multiplied by
+        scipy (``O(E k)``, one thread): no transposed CSR is built and no values are
+        permuted. Each output row sums its edges in the order of their rows, as the
+        product with :meth:`matrix_t` does. Elsewhere: ``matrix_t(values) @ x``.
+        """
+        if values.device.type != "cpu":
+            return self.matrix_t(values) @ x
+        import scipy.sparse
+
+        transposed = scipy.sparse.csc_matrix(
+            (values.detach().numpy(), self.col.numpy(), self.crow.numpy()),
+            shape=(self.num_cols, self.num_rows))
+        return torch.from_numpy(transposed @ x.detach().contiguous().numpy())
 
     def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
         """The transposed ``[G m, G n]`` CSR matrix with ``values`` (given row-major)."""
@@ -258,7 +278,7 @@ class _EdgeAttention(torch.autograd.Function):
         grad_q = grad_k = grad_v = grad_w = None
         if need_v:
             a = u if w is None else u * w
-            grad_v = (graph.matrix_t(a) @ go).to(v2.dtype)
+            grad_v = graph.transpose_matmul(a, go).to(v2.dtype)
             del a
         if need_q or need_k or need_w:
             # softmax correction per row: sum_e a_e <dout_i, v_j> = <dout_i, out_i>
@@ -274,7 +294,7 @@ class _EdgeAttention(torch.autograd.Function):
             if need_q:
                 grad_q = (graph.matrix(gs) @ ka).to(q2.dtype)
             if need_k:
-                grad_k = (graph.matrix_t(gs) @ qa).to(k2.dtype)
+                grad_k = graph.transpose_matmul(gs, qa).to(k2.dtype)
         return grad_q, grad_k, grad_v, grad_w, None, None, None
 
 

@@ -144,7 +144,7 @@ class _StraightThroughMask(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_qs = graph.matrix(grad_p) @ km2
         if ctx.needs_input_grad[1]:
-            grad_km = graph.matrix_t(grad_p) @ qs2
+            grad_km = graph.transpose_matmul(grad_p, qs2)
         return grad_qs, grad_km, None
 
 
