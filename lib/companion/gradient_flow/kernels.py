@@ -13,8 +13,8 @@ exponentials could overflow take a max-shifted, row-chunked path.
 
 The tuning (block sizes, chunk sizes, forcing the shifted path, ``exp`` or ``exp2``, torch's
 or numpy's GEMMs for the blocks) is a :class:`KernelTuning` argument with defaults; no
-module state. The reference these kernels
-are tested against is :mod:`companion.gradient_flow.reference`.
+module state. The reference these kernels are tested against is
+:mod:`companion.gradient_flow.reference`.
 """
 from __future__ import annotations
 
@@ -79,12 +79,13 @@ class KernelTuning:
         (:func:`_one_blas_thread`). The same numbers to rounding. ``"auto"`` (see
         :meth:`backend_for`): ``"torch"`` off the CPU and on an Intel CPU with torch built
         on MKL, ``"numpy"`` on any other CPU; like ``exponential``, the choice follows
-        the machine, never a timing. Why: these GEMMs are thin (``d`` = 3 inner or outer
-        rows); torch's CPU GEMM is MKL's, which on a non-Intel CPU takes a generic path,
-        while numpy's wheels carry OpenBLAS, tuned per CPU. Measured on an AVX-512 AMD
-        EPYC, 1 thread, float64, one block of 107 keys by 13 rows x 100 heads: logits
-        25 against 50 us, row sums 22 against 51 us, ``exp2`` 0.71 against 0.85 ns per
-        element; the whole step kernel at the paper's setting 1.25x faster.
+        the machine, never a timing. Why: these GEMMs are thin (an inner dimension of
+        ``d`` = 3 for the logits, ``d + 1`` = 4 rows for the sums); torch's CPU GEMM is
+        MKL's, and on the AMD processor measured numpy's OpenBLAS ran them twice as fast.
+        Measured on an AVX-512 AMD EPYC, 1 thread, float64, one block of 107 keys by 13
+        rows x 100 heads: logits 25 against 50 us, row sums 22 against 51 us, ``exp2``
+        0.71 against 0.85 ns per element; the whole step kernel at the paper's setting
+        1.25x faster. Not measured on Intel, where ``"auto"`` keeps torch.
 
     >>> KernelTuning(block_elements=64).block_elements_for(torch.device("cpu"))
     64
