@@ -156,19 +156,31 @@ def test_exp2_kernel_gives_the_exp_kernels_trajectories_to_rounding(dtype, block
     assert (wrong["energy"] - with_exp2.energy[0]).abs().max() > 1e3 * bound * energy_scale
 
 
+def _auto_follows_the_machine(monkeypatch, field: str, intel_or_off_cpu: str,
+                              other_cpu: str):
+    """``KernelTuning``'s ``field="auto"`` gives ``intel_or_off_cpu`` off the CPU and on
+    an Intel CPU whose torch uses MKL, ``other_cpu`` on any other CPU (the machine rule
+    stubbed both ways), and either named choice is kept on the CPU."""
+    from companion.gradient_flow import kernels
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    choice_for = f"{field}_for"
+    auto = gf.KernelTuning()
+    for intel, expected in ((True, intel_or_off_cpu), (False, other_cpu)):
+        monkeypatch.setattr(kernels, "_mkl_exp_on_intel", lambda intel=intel: intel)
+        assert getattr(auto, choice_for)(cpu) == expected
+        assert getattr(auto, choice_for)(cuda) == intel_or_off_cpu
+        for named in (intel_or_off_cpu, other_cpu):
+            assert getattr(gf.KernelTuning(**{field: named}), choice_for)(cpu) == named
+
+
 def test_exponential_choice_follows_the_machine_not_a_timing(monkeypatch):
     """``exponential="auto"`` is ``exp`` off the CPU and on an Intel CPU whose torch uses
     MKL, ``exp2`` on any other CPU; a named choice is kept; anything else is refused."""
     from companion.gradient_flow import kernels
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    auto = gf.KernelTuning()
-    for intel, expected in ((True, "exp"), (False, "exp2")):
-        monkeypatch.setattr(kernels, "_mkl_exp_on_intel", lambda intel=intel: intel)
-        assert auto.exponential_for(cpu) == expected
-        assert auto.exponential_for(cuda) == "exp"
-        for named in ("exp", "exp2"):
-            assert gf.KernelTuning(exponential=named).exponential_for(cpu) == named
+    _auto_follows_the_machine(monkeypatch, "exponential", intel_or_off_cpu="exp",
+                              other_cpu="exp2")
     monkeypatch.undo()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():  # this machine: its vendor line decides
@@ -182,16 +194,9 @@ def test_backend_choice_follows_the_machine_not_a_timing(monkeypatch):
     """``backend="auto"`` is ``torch`` off the CPU and on an Intel CPU whose torch uses
     MKL, ``numpy`` on any other CPU; a named choice is kept; ``numpy`` off the CPU and an
     unknown name are refused, naming the parameter."""
-    from companion.gradient_flow import kernels
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    auto = gf.KernelTuning()
-    for intel, expected in ((True, "torch"), (False, "numpy")):
-        monkeypatch.setattr(kernels, "_mkl_exp_on_intel", lambda intel=intel: intel)
-        assert auto.backend_for(cpu) == expected
-        assert auto.backend_for(cuda) == "torch"
-        for named in ("torch", "numpy"):
-            assert gf.KernelTuning(backend=named).backend_for(cpu) == named
+    cuda = torch.device("cuda")
+    _auto_follows_the_machine(monkeypatch, "backend", intel_or_off_cpu="torch",
+                              other_cpu="numpy")
     assert gf.KernelTuning(backend="torch").backend_for(cuda) == "torch"
     with pytest.raises(ValueError, match="backend.*CPU"):
         gf.KernelTuning(backend="numpy").backend_for(cuda)
