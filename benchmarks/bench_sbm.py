@@ -3,7 +3,8 @@
 For n in {512, ..., 8192} and expected densities {1%, 5%, 20%} (batch 1, 2 heads,
 head_dim 32, k = 128 clusters), forward + backward of
 
-* ``edge``: fastRG sampling (:func:`companion.sbm.fastrg_sample`) + edge attention
+* ``edge``: fastRG sampling (:func:`companion.sbm.fastrg_sample`, int32 indices as
+  :class:`companion.sbm.SBMAttention` samples them) + edge attention
   (:func:`companion.sbm.edge_attention`) -- cost O(edges);
 * ``dense_masked``: the public code's path -- dense P, Bernoulli mask, softmax, mask,
   renormalise (:func:`companion.sbm.dense_masked_attention`) -- cost O(n^2);
@@ -29,7 +30,10 @@ were up to ten times slower in trials.
 Issue 38's two speed-ups over SDPA (n = 4096 at 5 %, target 1.5; n = 8192 at 1 %,
 target 5) are also timed head to head: edge and SDPA alternately in one worker, the order
 reversed every other repeat, the median of the per-repeat ratios (the table's columns
-come from workers that time one method after the other).
+come from workers that time one method after the other).  The same alternation times
+the edge path with the sampler's default int64 indices (``fastrg_sample`` called without
+``index_dtype``), reported beside it: three indices per edge, 40 MB a call at n = 4096,
+5 %, which the allocator hands back after each call and the next call faults in again.
 
 A second sweep times the sampler alone at a fixed expected edge count while n grows,
 to show that its cost follows edges + n k, not n^2.
@@ -190,8 +194,8 @@ def workloads(n: int, density: float, seed: int = 0, device=None):
         for t in (q, k, v):
             t.grad = None
 
-    def run_edge():
-        edges = fastrg_sample(qm, s, km, gen)
+    def run_edge(index_dtype=torch.int32):
+        edges = fastrg_sample(qm, s, km, gen, index_dtype=index_dtype)
         edge_attention(q, k, v, edges).sum().backward()
         info["edges_per_head"] = edges[0].numel() / HEADS
         clear_grads()
@@ -211,7 +215,7 @@ def workloads(n: int, density: float, seed: int = 0, device=None):
 
     def sample():
         """The sampler alone (its edges kept for :func:`attend`)."""
-        last_edges[:] = [fastrg_sample(qm, s, km, gen)]
+        last_edges[:] = [fastrg_sample(qm, s, km, gen, index_dtype=torch.int32)]
 
     def attend():
         """Edge attention alone, forward + backward, on the last sampled edges."""
@@ -220,6 +224,7 @@ def workloads(n: int, density: float, seed: int = 0, device=None):
 
     runs = {"edge": run_edge, "dense_masked": run_dense_masked, "sdpa": run_sdpa}
     info["sample"], info["attend"] = sample, attend
+    info["edge_int64"] = lambda: run_edge(torch.int64)
     return runs, info
 
 
@@ -292,24 +297,29 @@ def sampler_worker(n: int, edges: int, seed: int) -> dict:
 
 def versus_worker(n: int, density: float, repeats: int, seed: int = 0) -> dict:
     """The edge path (sampling + attention) against SDPA at one configuration, timed in
-    alternation (edge then SDPA, the order reversed every other repeat) after one warm-up
-    of each, so that both meet the same machine state: the medians of each and the median
-    of the per-repeat ratios SDPA / edge, with their spread."""
-    runs, _ = workloads(n, density, seed)
-    times: dict = {"edge": [], "sdpa": []}
-    for name in times:  # warm-up
-        runs[name]()
+    alternation (edge, SDPA, then the edge path with int64 indices; the order reversed
+    every other repeat) after one warm-up of each, so that all meet the same machine
+    state: the medians of each and the median of the per-repeat ratios SDPA / edge, with
+    their spread."""
+    runs, info = workloads(n, density, seed)
+    runs = {"edge": runs["edge"], "sdpa": runs["sdpa"], "edge_int64": info["edge_int64"]}
+    times: dict = {name: [] for name in runs}
+    for run in runs.values():  # warm-up
+        run()
     for r in range(repeats):
-        for name in (("edge", "sdpa") if r % 2 == 0 else ("sdpa", "edge")):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
             t0 = time.perf_counter()
             runs[name]()
             times[name].append(time.perf_counter() - t0)
     ratios = [s / e for s, e in zip(times["sdpa"], times["edge"])]
+    ratios_int64 = [s / e for s, e in zip(times["sdpa"], times["edge_int64"])]
     return {"n": n, "density": density, "repeats": repeats, "times_s": times,
             "edge_s": statistics.median(times["edge"]),
             "sdpa_s": statistics.median(times["sdpa"]),
+            "edge_int64_s": statistics.median(times["edge_int64"]),
             "sdpa_over_edge": statistics.median(ratios),
             "sdpa_over_edge_min": min(ratios), "sdpa_over_edge_max": max(ratios),
+            "sdpa_over_edge_int64": statistics.median(ratios_int64),
             "load_average": os.getloadavg()}
 
 
@@ -783,18 +793,23 @@ def _markdown(result) -> str:
     if versus:
         lines += ["", "## Edge path against SDPA, head to head", "",
                   "Each configuration in a worker of its own: one warm-up each, then "
-                  f"{versus[0]['repeats']} alternations (edge then SDPA, the order reversed "
-                  "every other repeat), medians, and the median of the per-repeat ratios "
-                  "with their range (the targets of issue 38).", "",
+                  f"{versus[0]['repeats']} alternations (edge, SDPA, edge with int64 "
+                  "indices; the order reversed every other repeat), medians, and the "
+                  "median of the per-repeat ratios with their range (the targets of issue "
+                  "38). The edge path samples int32 indices, as the SBM layer does; the "
+                  "int64 column is the sampler's default.", "",
                   "| n | density | edge s | SDPA s | SDPA / edge (median, min-max) | target "
-                  "| load |", "|---|---|---|---|---|---|---|"]
+                  "| edge s, int64 indices | SDPA / edge, int64 | load |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for v in versus:
             target = VERSUS_TARGETS[(v["n"], v["density"])]
             verdict = "met" if v["sdpa_over_edge"] >= target else "missed"
             lines.append(f"| {v['n']} | {v['density']:.0%} | {v['edge_s']:.4f} | "
                          f"{v['sdpa_s']:.4f} | {v['sdpa_over_edge']:.3f} "
                          f"({v['sdpa_over_edge_min']:.3f}-{v['sdpa_over_edge_max']:.3f}) | "
-                         f">= {target:g}: {verdict} | {v['load_average'][0]:.1f} |")
+                         f">= {target:g}: {verdict} | {_fmt(v.get('edge_int64_s'), '.4f')} | "
+                         f"{_fmt(v.get('sdpa_over_edge_int64'), '.3f')} | "
+                         f"{v['load_average'][0]:.1f} |")
     lines += ["", "## Targets", ""]
     for key, val in s["targets"].items():
         lines.append(f"- {key}: **{val:.3f}**")

@@ -23,6 +23,7 @@ DEVICES = [
     ),
 ]
 DTYPES = [torch.float32, torch.float64]
+INDEX_DTYPES = [torch.int64, torch.int32]
 F64 = torch.float64
 # forward / gradient tolerances against the float64 reference, per input dtype
 TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-6}, F64: {"rtol": 1e-11, "atol": 1e-13}}
@@ -71,19 +72,21 @@ def _multigraph(groups, n, m, num_edges, empty_rows, device, seed):
     return tuple(t.to(device) for t in (group, query, key))
 
 
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_edge_attention_matches_dense_float64_reference(device, dtype, weighted):
+def test_edge_attention_matches_dense_float64_reference(device, dtype, weighted, index_dtype):
     """Odd sizes (3 groups, n = 7, m = 5, d = 3, d_v = 5), edges unsorted, repeated
     pairs (counted with multiplicity), two queries with no edge (zero rows, zero
-    gradient), optional edge weights: output and the gradients of q, k, v (and of the
-    weights) equal the dense float64 reference, in the input's dtype; no input and no
-    incoming gradient is written."""
+    gradient), optional edge weights, int64 and int32 edge indices: output and the
+    gradients of q, k, v (and of the weights) equal the dense float64 reference, in the
+    input's dtype; no input and no incoming gradient is written."""
     groups, n, m, d, dv = 3, 7, 5, 3, 5
     q, k, v = _inputs(groups, n, m, d, dv, dtype, device, seed=0)
     edges = _multigraph(groups, n, m, 60, empty_rows=(2, 6), device=device, seed=1)
     counts = _counts(edges, groups, n, m)
+    edges = tuple(t.to(index_dtype) for t in edges)
     assert int(counts.max()) > 1  # duplicates present
     weight = weight_dense = None
     if weighted:
@@ -98,7 +101,7 @@ def test_edge_attention_matches_dense_float64_reference(device, dtype, weighted)
     if weighted:
         # each copy of a pair has its own weight and the pair weighs their sum: the
         # reference's per-pair weight is that sum over the count
-        flat = (edges[0] * n + edges[1]) * m + edges[2]
+        flat = (edges[0].long() * n + edges[1]) * m + edges[2]
         weight_dense = torch.zeros(groups * n * m, dtype=F64, device=device).index_add(
             0, flat, leaves64[3]
         ).reshape(groups, n, m) / counts.clamp(min=1)
@@ -155,13 +158,14 @@ def test_edge_attention_matches_sdpa_with_a_boolean_mask(device, dtype):
         torch.testing.assert_close(a, b, **tol[dtype], msg=lambda s: f"{name}: {s}")
 
 
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_edge_attention_empty_edge_list(device, dtype):
+def test_edge_attention_empty_edge_list(device, dtype, index_dtype):
     """No edge at all: a zero output of the input's dtype and zero (not missing)
     gradients for q, k, v and the (empty) weights."""
     q, k, v = _inputs(2, 4, 3, 5, 2, dtype, device, seed=5)
-    none = torch.zeros(0, dtype=torch.int64, device=device)
+    none = torch.zeros(0, dtype=index_dtype, device=device)
     weight = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
     out = edge_attention(q, k, v, (none, none, none), edge_weight=weight)
     assert out.dtype == dtype and out.shape == (2, 4, 2) and bool((out == 0).all())
@@ -205,6 +209,38 @@ def test_edge_attention_float32_agrees_with_float64():
         torch.autograd.grad(out64.sum(), (q64, k64, v64)),
     ):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_attention_int32_edges_give_the_int64_numbers(dtype):
+    """The same edges as int32 and as int64 (sorted as the sampler gives them, and
+    unsorted): the same output and gradients, bit for bit."""
+    groups, n, m, d, dv = 3, 9, 11, 4, 3
+    for seed, ordered in ((11, True), (12, False)):
+        edges = _multigraph(groups, n, m, 200, empty_rows=(4,), device="cpu", seed=seed)
+        if ordered:
+            order = torch.argsort(edges[0] * n + edges[1], stable=True)
+            edges = tuple(t[order] for t in edges)
+        results = []
+        for index_dtype in INDEX_DTYPES:
+            q, k, v = _inputs(groups, n, m, d, dv, dtype, "cpu", seed=13)
+            out = edge_attention(q, k, v, tuple(t.to(index_dtype) for t in edges))
+            results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v))])
+        for wide, narrow in zip(*results):
+            assert torch.equal(wide, narrow)
+
+
+def test_edge_attention_names_the_edge_of_another_index_dtype():
+    """Three int32 indices or three int64 ones: a mix, or another integer dtype, is
+    refused with the edge named."""
+    q, kv = torch.randn(1, 4, 3), torch.randn(1, 5, 3)
+    e = (torch.zeros(2, dtype=torch.int64), torch.tensor([0, 3]), torch.tensor([1, 4]))
+    with pytest.raises(TypeError, match=r"^edges\[key\]: expected a 1-D torch.int64"):
+        edge_attention(q, kv, kv, (e[0], e[1], e[2].int()))
+    with pytest.raises(TypeError, match=r"^edges\[query\]: expected a 1-D torch.int32"):
+        edge_attention(q, kv, kv, (e[0].int(), e[1], e[2].int()))
+    with pytest.raises(TypeError, match=r"^edges\[group\]: expected a 1-D torch.int64"):
+        edge_attention(q, kv, kv, tuple(t.to(torch.int16) for t in e))
 
 
 def test_edge_attention_rejects_mixed_dtypes():

@@ -674,7 +674,8 @@ def test_rejection_draw_numpy_equals_torch_kernels(base_dtype):
     """The key draw by rejection in numpy's kernels (the CPU default) gives the keys of
     the same algorithm in torch's kernels on the same numpy uniforms, bit for bit, and
     leaves the stream in the same place: widths 1, 7 and 300, tables with zero and
-    one entries, no draw, one draw, many; also written into a slice of a larger tensor."""
+    one entries, no draw, one draw, many; also written into a slice of a larger int64 or
+    int32 tensor."""
     from companion.sbm.fastrg import _RandomSource, _rejection_draw, _rejection_draw_torch
 
     g = torch.Generator().manual_seed(28)
@@ -693,13 +694,16 @@ def test_rejection_draw_numpy_equals_torch_kernels(base_dtype):
         (got, state_got), (want, state_want) = keys
         assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
         assert state_got == state_want
-        # written into a slice of a larger tensor (as _draw_keys does): the same keys
-        # there, nothing around them touched
-        source = _RandomSource(torch.device("cpu"), torch.Generator().manual_seed(3), "numpy")
-        into = torch.full((draws_n + 5,), -7, dtype=torch.int64)
-        assert _rejection_draw(accept, width, base, source, into[2:2 + draws_n]) is not None
-        assert torch.equal(into[2:2 + draws_n], want)
-        assert bool((into[:2] == -7).all()) and bool((into[2 + draws_n:] == -7).all())
+        # written into a slice of a larger tensor, int64 or int32 (as _draw_keys does):
+        # the same keys there, nothing around them touched
+        for draw in (_rejection_draw, _rejection_draw_torch):
+            for into_dtype in (torch.int64, torch.int32):
+                source = _RandomSource(torch.device("cpu"), torch.Generator().manual_seed(3),
+                                       "numpy")
+                into = torch.full((draws_n + 5,), -7, dtype=into_dtype)
+                assert draw(accept, width, base, source, into[2:2 + draws_n]) is not None
+                assert torch.equal(into[2:2 + draws_n].long(), want)
+                assert bool((into[:2] == -7).all()) and bool((into[2 + draws_n:] == -7).all())
         if width > 1 and draws_n:
             assert not bool((got == 1).any()) and int(got.max()) < width
 
@@ -826,6 +830,51 @@ def test_sbm_attention_ste_gradient_closed_form(device, duplicates, padded, dtyp
         torch.testing.assert_close(a.to(F64), b, **tol, msg=lambda s: f"{name}: {s}")
 
 
+@pytest.mark.parametrize("duplicates, self_loops, padded",
+                         [("keep", False, False), ("merge", True, True), ("keep", True, True)])
+def test_sbm_attention_int32_edges_change_no_number(monkeypatch, duplicates, self_loops,
+                                                    padded):
+    """The layer samples its edge lists with int32 indices: outputs, densities and every
+    gradient equal those of the same layer on int64 indices, bit for bit (padding and
+    self-loops included, whose masks index with the edges), and the edges it returns are
+    int64 either way."""
+    import companion.sbm.layer as layer_module
+
+    torch.manual_seed(23)
+    batch, heads, n, d = 2, 2, 13, 4
+    layer = SBMAttention(d, heads, 3, duplicates=duplicates, self_loops=self_loops,
+                         tuning=LAYER_PATHS["edges"])
+    q, k, v = (torch.randn(batch, heads, n, d, requires_grad=True) for _ in range(3))
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    if padded:
+        valid[1, -4:] = False
+    masks = dict(query_valid=valid, key_valid=valid) if padded else {}
+    sampled_dtypes = []
+    original = layer_module.fastrg_sample
+
+    def sampler(forced):
+        def sample(*args, **kwargs):
+            if forced is not None:
+                kwargs["index_dtype"] = forced
+            edges = original(*args, **kwargs)
+            sampled_dtypes.append(edges[0].dtype)
+            return edges
+        return sample
+
+    results = []
+    for forced in (None, torch.int64):
+        monkeypatch.setattr(layer_module, "fastrg_sample", sampler(forced))
+        out, density, edges = layer(q, k, v, generator=torch.Generator().manual_seed(24),
+                                    return_edges=True, **masks)
+        params = [q, k, v, *layer.parameters()]
+        grads = torch.autograd.grad((out.square().sum() + density.sum()), params)
+        assert all(t.dtype == torch.int64 for t in edges)
+        results.append([out, density, *edges, *grads])
+    assert sampled_dtypes == [torch.int32, torch.int64]
+    for narrow, wide in zip(*results):
+        assert torch.equal(narrow, wide)
+
+
 def test_sbm_attention_density_regularizer_and_shapes():
     torch.manual_seed(22)
     B, H, n, d, kc = 2, 2, 30, 8, 4
@@ -917,6 +966,67 @@ def test_fastrg_q_times_s_of_the_wrong_shape_names_the_parameter():
     qm, s, km = _random_sbm(4, 4, 2, heads=2)
     with pytest.raises(ValueError, match="q_times_s"):
         fastrg_sample(qm, s, km, q_times_s=torch.zeros(3))
+
+
+@pytest.mark.parametrize("duplicates, self_loops", [("keep", False), ("merge", False),
+                                                    ("keep", True), ("merge", True)])
+@pytest.mark.parametrize("path", ["default"] + [f"{draw}/{source}" for draw in KEY_DRAWS
+                                                for source in CPU_UNIFORMS])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fastrg_int32_indices_are_the_int64_edges(device, path, duplicates, self_loops):
+    """``index_dtype=torch.int32`` gives the edges of the default int64 call of the same
+    seed, value for value, on every path (the default tuning, both cell grids, rejection
+    and search, every uniform source, merged, with self-loops), two heads of odd sizes
+    with a query and a key without mass; an empty graph too."""
+    tuning = FastRGTuning()
+    if path != "default":
+        tuning = _tuning(*path.split("/"), device)
+    qm, s, km = (t.to(device) for t in _random_sbm(13, 13, 3, heads=2, seed=21, scale=3.0))
+    qm[:, :, 4] = 0
+    km[:, :, 7] = 0
+    for scale in (1.0, 0.0):  # 0: no edge at all (the self-loops only)
+        drawn = []
+        for index_dtype in (torch.int64, torch.int32):
+            gen = torch.Generator(device=device).manual_seed(22)
+            drawn.append(fastrg_sample(qm * scale, s, km, gen, duplicates=duplicates,
+                                       self_loops=self_loops, tuning=tuning,
+                                       index_dtype=index_dtype))
+        for wide, narrow in zip(*drawn):
+            assert wide.dtype == torch.int64 and narrow.dtype == torch.int32
+            assert torch.equal(wide, narrow.long())
+        assert drawn[0][0].numel() > (50 if scale else -1)
+        assert drawn[0][0].numel() >= (26 if self_loops else 0)
+
+
+def test_fastrg_index_dtype_bad_input_names_the_parameter():
+    from companion.sbm.fastrg import _check_index_dtype
+
+    qm, s, km = _random_sbm(4, 5, 3)
+    for bad in (torch.int16, torch.float32, "int32", None):
+        with pytest.raises(TypeError, match="^index_dtype: expected torch.int32 or torch.int64"):
+            fastrg_sample(qm, s, km, index_dtype=bad)
+    # no test can allocate 2**31 queries: the check the sampler makes, on the count
+    _check_index_dtype(torch.int32, 2**31 - 1)
+    _check_index_dtype(torch.int64, 2**31)
+    with pytest.raises(ValueError, match="^index_dtype: torch.int32 cannot hold"):
+        _check_index_dtype(torch.int32, 2**31)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_flat_index_of_int32_indices_is_exact_past_two_to_the_31(index_dtype):
+    """``group * size + index`` into int64 is computed in int64 even for int32 inputs
+    (``G n`` may pass ``2**31`` where ``G`` and ``n`` do not); into int32 it equals the
+    int64 numbers where they fit."""
+    from companion.sbm.graph_attention import _flat_index
+
+    group = torch.tensor([0, 1, 3, 2], dtype=index_dtype)
+    index = torch.tensor([5, 0, 2**30 - 1, 7], dtype=index_dtype)
+    want = group.long() * 2**30 + index.long()
+    assert int(want.max()) >= 2**31
+    got = _flat_index(index, group, 2**30, torch.int64)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    small = _flat_index(index[:2], group[:2], 2**30, torch.int32)
+    assert small.dtype == torch.int32 and torch.equal(small.long(), want[:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])

@@ -176,6 +176,7 @@ def fastrg_sample(
     self_loops: bool = False,
     tuning: FastRGTuning = DEFAULT_TUNING,
     q_times_s: torch.Tensor | None = None,
+    index_dtype: torch.dtype = torch.int64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample the bipartite graph ``A ~ Qhat S Khat^T`` with fastRG, as an edge list.
 
@@ -233,21 +234,29 @@ def fastrg_sample(
         skips that GEMM.  Used only in the precision the sampler works in (float32 or
         wider, as ``q_membership``); it must equal ``q_membership @ s``, which is not
         checked.
+    index_dtype : ``torch.int64`` (default) or ``torch.int32``
+        The dtype of the returned indices.  int32 halves the memory of the edge list
+        (three indices per edge) and is what :class:`companion.sbm.SBMAttention` uses;
+        :func:`edge_attention` takes either.  The same seed gives the same edges in
+        both.  Arithmetic on int32 indices stays in int32: ``group * n + query``
+        overflows once ``G n`` reaches ``2**31``.
 
     Returns
     -------
-    group, query, key : int64 tensors of equal length ``E``, one entry per edge, on the
-        memberships' device, sorted by ``(group, query)``.  ``group`` is the flat index
-        ``b * H + h`` (0 for one group).
+    group, query, key : ``index_dtype`` tensors of equal length ``E``, one entry per edge,
+        on the memberships' device, sorted by ``(group, query)``.  ``group`` is the flat
+        index ``b * H + h`` (0 for one group).
 
     Raises
     ------
     ValueError
         On shape mismatches, empty sequences, negative/NaN/infinite entries, an unknown
-        ``duplicates`` policy, or ``self_loops`` with ``n != m``.
+        ``duplicates`` policy, ``self_loops`` with ``n != m``, or an ``index_dtype`` of
+        int32 with a group, query or key count of ``2**31`` or more.
     TypeError
         Non-floating memberships, a ``tuning`` that is not a :class:`FastRGTuning`, a
-        ``generator`` that is not a ``torch.Generator``, a non-bool ``self_loops``.
+        ``generator`` that is not a ``torch.Generator``, a non-bool ``self_loops``, an
+        ``index_dtype`` other than ``torch.int32`` or ``torch.int64``.
 
     Complexity
     ----------
@@ -278,6 +287,7 @@ def fastrg_sample(
     m = km.shape[1]
     if self_loops and n != m:
         raise ValueError(f"self_loops: requires as many queries as keys, got n={n}, m={m}")
+    _check_index_dtype(index_dtype, max(num_groups, n, m))
     with torch.no_grad():
         # views of the caller's tensors: nothing derived from them is written in place
         qm, sg, km = qm.detach(), sg.detach(), km.detach()
@@ -285,15 +295,16 @@ def fastrg_sample(
         q_times_s = _q_times_s(qm, sg, q_times_s)
         k_mass = km.sum(1, dtype=torch.float64)  # colsum Khat, [G, k]
         if _use_key_grid(q_times_s, k_mass, num_groups * n * m, tuning):
-            group, query, key = _key_grid_edges(q_times_s, km, draws, duplicates, tuning)
+            group, query, key = _key_grid_edges(q_times_s, km, draws, duplicates, tuning,
+                                                index_dtype)
             merged = duplicates == "merge"  # one edge per pair with a positive count
         else:
             # step 1: one Poisson count per cell (group, query, key cluster b); the cells
             # in this order sort the edges by (group, query, b)
             counts = draws.poisson(_cell_rates(q_times_s, k_mass).reshape(-1))
-            group, query = _cell_owners(counts, num_groups, n)
+            group, query = _cell_owners(counts, num_groups, n, index_dtype)
             # step 2: the key of every edge, from its cell's key cluster
-            key = _draw_keys(km, counts, n, draws, tuning)
+            key = _draw_keys(km, counts, n, draws, tuning, index_dtype)
             merged = False
         if self_loops:
             group, query, key = _append_self_loops(group, query, key, num_groups, n)
@@ -301,6 +312,18 @@ def fastrg_sample(
         if duplicates == "merge" and not merged:
             group, query, key = _merge_duplicates(group, query, key, num_groups, n, m)
     return group, query, key
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index_dtype(index_dtype, largest: int) -> None:
+    """``index_dtype`` is int32 or int64 and holds every index below ``largest``."""
+    if index_dtype not in INDEX_DTYPES:
+        raise TypeError(f"index_dtype: expected torch.int32 or torch.int64, got {index_dtype!r}")
+    if largest > torch.iinfo(index_dtype).max:
+        raise ValueError(f"index_dtype: {index_dtype} cannot hold indices up to {largest - 1}; "
+                         f"use torch.int64")
 
 
 def _checked_groups(q_membership, s, k_membership, q_times_s):
@@ -487,10 +510,12 @@ def _finite_sum(p: torch.Tensor) -> bool:
 
 
 def _key_grid_edges(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSource,
-                    duplicates: str, tuning: FastRGTuning):
+                    duplicates: str, tuning: FastRGTuning,
+                    index_dtype: torch.dtype = torch.int64):
     """Edges from one Poisson count per (group, query, key) pair
     (:func:`_key_grid_blocks`): sorted by (group, query, key); with ``"merge"`` each
-    pair with a positive count gives one edge."""
+    pair with a positive count gives one edge. The pair codes are int64 (``G n m`` may
+    pass ``2**31``); the indices are ``index_dtype``."""
     num_groups, n, _ = q_times_s.shape
     m = km.shape[1]
     pieces, offset = [], 0
@@ -503,43 +528,50 @@ def _key_grid_edges(q_times_s: torch.Tensor, km: torch.Tensor, draws: _RandomSou
     pair = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     key = pair % m
     row = torch.div(pair, m, rounding_mode="floor")
-    return torch.div(row, n, rounding_mode="floor"), row % n, key
+    group, query = torch.div(row, n, rounding_mode="floor"), row % n
+    return group.to(index_dtype), query.to(index_dtype), key.to(index_dtype)
 
 
-def _cell_owners(counts: torch.Tensor, num_groups: int, n: int):
-    """Group and query of every edge, from the per-cell counts in (group, query, b)
-    order: each query's edges are the sum of its ``k`` cells' counts."""
+def _cell_owners(counts: torch.Tensor, num_groups: int, n: int,
+                 index_dtype: torch.dtype = torch.int64):
+    """Group and query (``index_dtype``) of every edge, from the per-cell counts in
+    (group, query, b) order: each query's edges are the sum of its ``k`` cells' counts."""
     device = counts.device
     row_counts = counts.view(num_groups * n, -1).sum(1)
     num_edges = int(row_counts.sum())
-    group = repeat_each(torch.arange(num_groups, device=device),
+    group = repeat_each(torch.arange(num_groups, device=device, dtype=index_dtype),
                         row_counts.view(num_groups, n).sum(1), num_edges)
-    query = torch.arange(n, device=device).repeat(num_groups)
+    query = torch.arange(n, device=device, dtype=index_dtype).repeat(num_groups)
     query = repeat_each(query, row_counts, num_edges)
     return group, query
 
 
 def _merge_duplicates(group, query, key, num_groups, n, m):
-    """One copy of every drawn pair, sorted by ``(group, query, key)`` (radix sort)."""
+    """One copy of every drawn pair, sorted by ``(group, query, key)`` (radix sort); the
+    pair codes in int64 (``G n m`` may pass ``2**31``), the indices in the given dtype."""
     if group.numel() <= 1:
         return group, query, key
-    code = (group * n + query) * m + key
+    index_dtype = group.dtype
+    code = (group.long() * n + query) * m + key
     code = torch.unique_consecutive(code[stable_argsort(code, num_groups * n * m)])
     key = code % m
     code = torch.div(code, m, rounding_mode="floor")
-    return torch.div(code, n, rounding_mode="floor"), code % n, key
+    group, query = torch.div(code, n, rounding_mode="floor"), code % n
+    return group.to(index_dtype), query.to(index_dtype), key.to(index_dtype)
 
 
 def _append_self_loops(group, query, key, num_groups, n):
     """Insert the edge ``(g, i, i)`` after the sampled edges of every query, keeping the
-    ``(group, query)`` order."""
-    device = group.device
+    ``(group, query)`` order, in the indices' dtype (the rows ``g n + i`` in int64)."""
+    device, index_dtype = group.device, group.dtype
     loops = torch.arange(num_groups * n, device=device)
-    row = torch.cat([group * n + query, loops])
+    row = torch.cat([group.long() * n + query, loops])
     order = stable_argsort(row, num_groups * n)
-    group = torch.cat([group, torch.div(loops, n, rounding_mode="floor")])[order]
-    query = torch.cat([query, loops % n])[order]
-    key = torch.cat([key, loops % n])[order]
+    loop_group = torch.div(loops, n, rounding_mode="floor").to(index_dtype)
+    loop_query = (loops % n).to(index_dtype)
+    group = torch.cat([group, loop_group])[order]
+    query = torch.cat([query, loop_query])[order]
+    key = torch.cat([key, loop_query])[order]
     return group, query, key
 
 

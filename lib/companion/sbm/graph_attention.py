@@ -55,7 +55,9 @@ def _flat_index(index: torch.Tensor, group: torch.Tensor, size: int,
     ``alpha`` is followed by a conversion; int32 by narrowing both inputs and adding in
     int32."""
     if index.device.type != "cpu":
-        return torch.add(index, group, alpha=size).to(dtype)
+        # in the wider of the two dtypes: int32 indices may give rows past 2**31
+        wide = torch.promote_types(index.dtype, dtype)
+        return torch.add(index.to(wide), group.to(wide), alpha=size).to(dtype)
     if dtype == torch.int32:
         # narrowed first, then int32 arithmetic: every value and the sum fit int32 (the
         # caller's choice of dtype), and plain int32 passes took half the time of the
@@ -66,7 +68,8 @@ def _flat_index(index: torch.Tensor, group: torch.Tensor, size: int,
         out += scaled
         return torch.from_numpy(out)
     out = np.empty(index.numel(), dtype=np.int64)
-    np.multiply(group.numpy(), size, out=out, casting="unsafe")
+    # an int64 loop: int32 groups times size may pass 2**31
+    np.multiply(group.numpy(), size, out=out, dtype=np.int64, casting="unsafe")
     np.add(out, index.numpy(), out=out, casting="unsafe")
     return torch.from_numpy(out)
 
@@ -323,12 +326,18 @@ def attention_on_graph(q2, k2, v2, graph, edge_weight, scale, *, unit_weight=Fal
 def _check_edges(edges, num_groups, n, m, device):
     """Validate an edge list ``(group, query, key)`` against ``num_groups`` x ``n`` x ``m``."""
     if not isinstance(edges, (tuple, list)) or len(edges) != 3:
-        raise TypeError("edges: expected a tuple (group, query, key) of three int64 tensors")
+        raise TypeError("edges: expected a tuple (group, query, key) of three int64 (or "
+                        "three int32) tensors")
     names = ("group", "query", "key")
+    index_dtype = edges[0].dtype if isinstance(edges[0], torch.Tensor) else torch.int64
+    if index_dtype not in (torch.int32, torch.int64):
+        index_dtype = torch.int64  # named in the error below
     for name, t in zip(names, edges):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"edges[{name}]: expected a 1-D int64 tensor, got {got}")
+        if not isinstance(t, torch.Tensor) or t.dtype != index_dtype or t.dim() != 1:
+            got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise TypeError(f"edges[{name}]: expected a 1-D {index_dtype} tensor (int64, or "
+                            f"int32 for all three), got {got}")
         if t.device != device:
             raise ValueError(f"edges[{name}]: expected device {device}, got {t.device}")
     group, query, key = edges
@@ -364,9 +373,10 @@ def edge_attention(
         (half precision is computed in float32, float64 in float64).
     k : ``[..., m, d]`` keys, same leading dims and dtype.
     v : ``[..., m, d_v]`` values, same leading dims and dtype.
-    edges : ``(group, query, key)`` int64 tensors of length ``E`` (as returned by
-        :func:`companion.sbm.fastrg_sample`); ``group`` indexes the flattened leading dims
-        (``b * H + h``).  Any order; repeated edges count with their multiplicity.
+    edges : ``(group, query, key)`` tensors of length ``E``, all three int64 or all three
+        int32 (as returned by :func:`companion.sbm.fastrg_sample`); ``group`` indexes the
+        flattened leading dims (``b * H + h``).  Any order; repeated edges count with their
+        multiplicity.
     edge_weight : optional ``[E]`` nonnegative weights ``w_e`` (differentiable): attention
         weights are ``w_e exp(s_e)`` normalised per query; the straight-through mask of
         :class:`companion.sbm.SBMAttention` enters here.
@@ -381,8 +391,8 @@ def edge_attention(
     ------
     TypeError
         Non-tensor or non-floating inputs or weights, ``q``, ``k``, ``v`` of different
-        dtypes, edge indices that are not 1-D int64 tensors, a ``scale`` that is not a
-        number.
+        dtypes, edge indices that are not three 1-D int64 (or three int32) tensors, a
+        ``scale`` that is not a number.
     ValueError
         Shape or device mismatches, meta tensors, empty sequences, out-of-range edge
         indices, negative or non-finite weights, a ``scale`` that is not positive and

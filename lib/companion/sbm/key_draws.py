@@ -22,15 +22,16 @@ if TYPE_CHECKING:
     from companion.sbm.fastrg import FastRGTuning
 
 def _draw_keys(km: torch.Tensor, counts: torch.Tensor, n: int, draws: _RandomSource,
-               tuning: FastRGTuning) -> torch.Tensor:
-    """The key of every edge, ``j ~ Khat[:, b] / colsum_b(Khat)`` for its cell's ``b``.
+               tuning: FastRGTuning, index_dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The key (``index_dtype``) of every edge, ``j ~ Khat[:, b] / colsum_b(Khat)`` for its
+    cell's ``b``.
 
     Groups are taken in blocks (``tuning.table_block_entries`` bounds the key tables of a
     block, :class:`_KeyTable`), and the edges of a block in steps of cells holding about
     ``tuning.draw_block`` edges (bounded scratch)."""
     num_groups, m, kc = km.shape
     ends = torch.cumsum(counts, 0)  # edges of cell c are ends[c] - counts[c] .. ends[c]
-    key = torch.empty(int(ends[-1]), dtype=torch.int64, device=km.device)
+    key = torch.empty(int(ends[-1]), dtype=index_dtype, device=km.device)
     cells_per_group = n * kc
     groups_per_block = max(1, tuning.table_block_entries // (m * kc))
     cells_per_step = max(kc, tuning.draw_block * counts.numel() // max(key.numel(), 1))
@@ -104,7 +105,7 @@ class _KeyTable:
 
     def draw(self, base: torch.Tensor, draws: _RandomSource, out: torch.Tensor) -> None:
         """One key per entry of ``base`` (a ``cell_base`` entry per edge), written into
-        ``out`` (int64, as long as ``base``)."""
+        ``out`` (int32 or int64, as long as ``base``)."""
         if self.accept is not None:
             _rejection_draw(self.accept, self.width, base, draws, out)
         else:
@@ -170,7 +171,8 @@ def _rejection_draw(
     look-up per proposal and no table to search, expected ``max / mean`` proposals per
     draw (about two for sigmoid memberships; with ``key_draw="auto"`` the caller bounds it
     by falling back to :func:`_search_rows` for skewed rows).  The columns go into
-    ``out`` (int64, as long as ``base``; a new tensor if None), which is returned."""
+    ``out`` (int32 or int64, as long as ``base``; a new int64 tensor if None), which is
+    returned."""
     if out is None:
         out = torch.empty(base.numel(), dtype=torch.int64, device=base.device)
     if draws.rng is not None and accept.device.type == "cpu":
@@ -205,7 +207,7 @@ def _rejection_draw_torch(
             out.copy_(col)
             pending = rejected
         else:
-            out.index_copy_(0, pending, col)
+            out.index_copy_(0, pending, col.to(out.dtype))
             pending = pending.index_select(0, rejected)
         base = base.index_select(0, rejected)
     return out
@@ -217,7 +219,7 @@ def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
     operations on the same uniforms as :func:`_rejection_draw_torch` (so the same keys,
     bit for bit), with fewer conversions between the two libraries' arrays, numpy's
     ``take`` for the look-ups and the compaction.  The first round's proposals are
-    written straight into ``out`` (int64, as long as ``base``), and every
+    written straight into ``out`` (int32 or int64, as long as ``base``), and every
     round's indices, look-ups and coin comparisons into scratch arrays made once: a
     round's arrays are no longer than the first's."""
     index = np.empty(base.size, dtype=np.int64)
@@ -230,7 +232,7 @@ def _rejection_draw_numpy(accept: np.ndarray, width: int, base: np.ndarray,
         x *= width
         # every proposal of the first round is written (the rejected ones are overwritten
         # in a later round); a later round's only where it is still pending
-        col = out if pending is None else np.empty(size, dtype=np.int64)
+        col = out if pending is None else np.empty(size, dtype=out.dtype)
         np.copyto(col, x, casting="unsafe")  # truncation, as astype and torch's conversion
         np.minimum(col, width - 1, out=col)
         x -= col  # the coin

@@ -406,7 +406,7 @@ class SBMAttention(nn.Module):
             ``n'``, ``m'`` the numbers of valid queries and keys of that batch element,
             differentiable through the straight-through estimator (feed it to
             :func:`density_regularizer`).
-        edges : ``(group, query, key)``, only if ``return_edges``.
+        edges : ``(group, query, key)`` int64, only if ``return_edges``.
         """
         if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[-1] != self.head_dim:
             raise ValueError(
@@ -455,13 +455,17 @@ class SBMAttention(nn.Module):
             self_loops=self.self_loops,
             tuning=self.tuning,
             q_times_s=qs.detach(),
+            # half the memory of int64 indices, the same edges; the group, query and key
+            # counts are far below 2**31 at any size that fits in memory
+            index_dtype=torch.int32,
         )
         batch, heads, n = q.shape[:3]
         m = k.shape[2]
         num_groups = batch * heads
         if self.self_loops and (query_valid is not None or key_valid is not None):
             group, query, key = edges
-            element = torch.div(group, heads, rounding_mode="floor")  # batch index
+            # int64 flat positions: B n and B m may pass 2**31 where the indices do not
+            element = torch.div(group.long(), heads, rounding_mode="floor")  # batch index
             keep = torch.ones_like(group, dtype=torch.bool)
             if query_valid is not None:
                 keep &= query_valid.reshape(-1)[element * n + query]
@@ -488,8 +492,8 @@ class SBMAttention(nn.Module):
         per_group = per_group.index_add(0, edges[0], mask)
         pairs = (valid_counts[0] * valid_counts[1]).clamp(min=1).to(mask.dtype)  # [B]
         density = per_group.reshape(batch, heads) / pairs[:, None]
-        if return_edges:
-            return out, density, edges
+        if return_edges:  # int64, as the pair grid's and fastrg_sample's default
+            return out, density, tuple(t.long() for t in edges)
         return out, density
 
     def _forward_pairs(self, q, k, v, q_membership, s, k_membership, qs, query_valid,
