@@ -27,7 +27,7 @@ from companion.sbm.key_draws import (  # noqa: F401
     _rejection_draw_torch, _search_rows)
 from companion.sbm.poisson import (  # noqa: F401
     _INVERSION_BLOCK, _INVERSION_MAX_RATE, _invert_block, _poisson_by_inversion, _RandomSource)
-from companion.sbm.tensor_ops import repeat_each, stable_argsort, transposed_copy
+from companion.sbm.tensor_ops import INDEX_DTYPES, repeat_each, stable_argsort, transposed_copy
 
 __all__ = ["fastrg_sample", "poisson_pair_counts", "edge_probabilities", "FastRGTuning",
            "DUPLICATE_POLICIES", "use_pair_grid"]
@@ -312,9 +312,6 @@ def fastrg_sample(
         if duplicates == "merge" and not merged:
             group, query, key = _merge_duplicates(group, query, key, num_groups, n, m)
     return group, query, key
-
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_index_dtype(index_dtype, largest: int) -> None:

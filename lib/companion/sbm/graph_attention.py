@@ -43,7 +43,7 @@ import torch
 # its old home: still importable from here until tests/test_bad_inputs.py imports it from
 # companion.sbm (the dense reference lives in companion.sbm.reference)
 from companion.sbm.reference import dense_masked_attention  # noqa: F401
-from companion.sbm.tensor_ops import repeat_each, stable_argsort
+from companion.sbm.tensor_ops import INDEX_DTYPES, repeat_each, stable_argsort
 
 __all__ = ["edge_attention", "EdgeGraph", "attention_on_graph"]
 
@@ -330,7 +330,7 @@ def _check_edges(edges, num_groups, n, m, device):
                         "three int32) tensors")
     names = ("group", "query", "key")
     index_dtype = edges[0].dtype if isinstance(edges[0], torch.Tensor) else torch.int64
-    if index_dtype not in (torch.int32, torch.int64):
+    if index_dtype not in INDEX_DTYPES:
         index_dtype = torch.int64  # named in the error below
     for name, t in zip(names, edges):
         if not isinstance(t, torch.Tensor) or t.dtype != index_dtype or t.dim() != 1:

@@ -21,6 +21,8 @@ __all__ = ["repeat_each", "stable_argsort", "transposed_copy"]
 # dtypes numpy reads and writes exactly (no bfloat16 in numpy)
 _NUMPY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.float16, torch.float32, torch.float64)
+# the dtypes of edge indices the sampler writes and the attention reads
+INDEX_DTYPES = (torch.int32, torch.int64)
 # rows per tile of transposed_copy
 _TRANSPOSE_TILE = 128
 
